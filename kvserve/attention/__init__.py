@@ -1,0 +1,1 @@
+"""Attention backends behind one function: a torch reference over block tables."""

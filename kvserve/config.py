@@ -1,0 +1,170 @@
+"""One config tree of frozen dataclasses, validated on construction.
+
+Dtypes are named by strings ("float32", "bfloat16", ...) so this module and `core/` never import
+torch. Environment variables are read here and nowhere else (`env_api_key`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+# Bytes per element of each cache dtype the sizing formula knows. fp8 and int8 are one byte per
+# value; their per-block scales are counted separately where a quantized cache is used.
+DTYPE_BYTES: dict[str, float] = {
+    "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
+}
+DTYPE_ALIASES = {
+    "fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
+    "float8": "fp8", "fp8_e4m3": "fp8",
+}
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def canonical_dtype(name: str) -> str:
+    """'bf16' -> 'bfloat16'; raises ValueError naming the dtype when it is unknown."""
+    key = DTYPE_ALIASES.get(name.lower(), name.lower())
+    if key not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
+    return key
+
+
+def env_api_key() -> Optional[str]:
+    return os.environ.get("KVSERVE_API_KEY") or None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, llama2.c)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0  # 0: hidden_size // num_attention_heads
+    max_position_embeddings: int = 2048
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict[str, Any]] = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    architecture: str = "llama"
+    name: str = "model"
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, attr) < 1:
+                raise ValueError(f"ModelConfig.{attr} must be >= 1, got {getattr(self, attr)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def kv_bytes_per_token(self, kv_dtype: str) -> float:
+        """2 (K and V) * layers * kv_heads * head_dim * bytes per value."""
+        return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
+                * DTYPE_BYTES[canonical_dtype(kv_dtype)])
+
+    def mha_kv_bytes_per_token(self, kv_dtype: str) -> float:
+        """What the cache would cost if every query head had its own K/V head (plain MHA)."""
+        return self.kv_bytes_per_token(kv_dtype) * self.num_queries_per_kv
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """How the KV cache is laid out and sized.
+
+    layout "paged": one pool of `block_size`-token blocks shared by all sequences.
+    layout "contiguous": each sequence reserves one slab of `max_model_len` slots up front
+    (the per-sequence preallocated cache of Hugging Face's static cache); it is modelled as a pool
+    whose block size is the slab, so both layouts share the attention path and the accounting.
+    """
+
+    block_size: int = 16
+    layout: str = "paged"
+    num_blocks: Optional[int] = None
+    memory_bytes: Optional[int] = None  # budget for K and V of all layers
+    memory_fraction: Optional[float] = None  # of the device's free memory
+    kv_dtype: str = "auto"  # "auto": the model dtype
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 1 << 30
+
+    def __post_init__(self) -> None:
+        if self.layout not in ("paged", "contiguous"):
+            raise ValueError(f"kv layout must be 'paged' or 'contiguous', got {self.layout!r}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.memory_bytes is not None and self.memory_bytes < 1:
+            raise ValueError(f"kv cache memory must be > 0 bytes, got {self.memory_bytes}")
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"kv cache memory fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}")
+        if self.kv_dtype != "auto":
+            kv = canonical_dtype(self.kv_dtype)
+            if kv not in MODEL_DTYPES:
+                raise ValueError(f"kv dtype {self.kv_dtype!r} is not supported for a live cache; "
+                                 f"choose auto or one of {MODEL_DTYPES}")
+            object.__setattr__(self, "kv_dtype", kv)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: Optional[int] = None  # None: up to the token budget
+    policy: str = "fcfs"
+    preemption_mode: str = "recompute"
+    max_waiting: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
+            raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "SmolLM2-135M-Instruct"
+    tokenizer: Optional[str] = None
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_model_len: Optional[int] = None  # None: the model's context length
+    seed: int = 0
+    use_cache: bool = True  # False: recompute the whole sequence every step (the reference)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    log_stats_interval_s: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        dtype = canonical_dtype(self.dtype)
+        if dtype not in MODEL_DTYPES:
+            raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.dtype if self.cache.kv_dtype == "auto" else self.cache.kv_dtype

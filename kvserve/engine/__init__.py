@@ -1,0 +1,1 @@
+"""LLMEngine (add_request / step / abort) and LLM (offline generate)."""

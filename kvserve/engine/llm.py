@@ -1,0 +1,79 @@
+"""LLM: offline generation over many prompts, results in input order."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Iterator, Optional, Sequence, Union
+
+from kvserve.engine.llm_engine import LLMEngine, Prompt, engine_config
+from kvserve.engine.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class LLM:
+    """`LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **options: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **options))
+
+    @property
+    def tokenizer(self):  # type: ignore[no-untyped-def]
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
+                 params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        ids = []
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, plist)):
+                ids.append(self.engine.add_request(None, prompt, p, priority[i] if priority else 0))
+        except Exception:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: Sequence[dict[str, str]], params: Optional[SamplingParams] = None) -> RequestOutput:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer to apply a chat template with")
+        return self.generate([self.tokenizer.encode_chat(messages)], params)[0]
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[RequestOutput]:
+        """Yield the request's output after every step that changed it (deltas included)."""
+        rid = self.engine.add_request(None, prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = _progress(len(ids)) if use_tqdm else None
+        while len(done) < len(ids) and self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in ids]
+
+
+def _progress(total: int):  # type: ignore[no-untyped-def]
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="generate", unit="req", file=sys.stderr)
+    except ImportError:
+        return None

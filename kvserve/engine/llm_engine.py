@@ -1,0 +1,232 @@
+"""LLMEngine: add_request / step / abort over one model, one cache and one scheduler.
+
+A step is: schedule -> run the model -> update requests -> detokenize and build outputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, fields
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.core.block_math import num_blocks_for
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.scheduler import Scheduler
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.outputs import RequestOutput
+from kvserve.kv.cache import KVCache
+from kvserve.kv.sizing import CachePlan, plan_cache
+from kvserve.models.registry import build_model, load_weights
+from kvserve.request import Request, RequestStatus
+from kvserve.runner.model_runner import ModelRunner
+from kvserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("kvserve")
+
+Prompt = Union[str, Sequence[int]]
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue holds max_waiting requests already."""
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_preempted_waiting: int
+    num_preemptions: int
+    kv_usage: float
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    block_size: int
+    block_bytes: int
+    prefix_hit_rate: float
+    fragmentation_slots: int
+    num_steps: int
+    num_batched_tokens_last_step: int
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+
+
+def engine_config(model: str = "SmolLM2-135M-Instruct", **options: Any) -> EngineConfig:
+    """Flat keyword options (as the CLI and `LLM(...)` take them) -> the config tree."""
+    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+    targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig}
+    aliases = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
+               "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes"}
+    for key, value in options.items():
+        key = aliases.get(key, key)
+        owner = next((name for name, cls in targets.items()
+                      if key in {f.name for f in fields(cls)}), None)
+        if owner is None:
+            raise TypeError(f"unknown engine option {key!r}")
+        parts[owner][key] = value
+    return EngineConfig(model=model, cache=CacheConfig(**parts["cache"]),
+                        scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        t0 = time.perf_counter()
+        loaded = load_weights(config.model, config.tokenizer)
+        self.model_config = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
+                                 loaded.config.max_position_embeddings)
+        dtype = getattr(torch, config.dtype)
+        if config.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device!r} requested but CUDA is not available")
+        self.model = build_model(loaded, dtype, config.device, self.max_model_len)
+        self.model_id = loaded.model_id
+        self.plan = plan_cache(config.cache, loaded.config, config.kv_dtype, self.max_model_len,
+                               config.scheduler.max_num_seqs, config.device)
+        self.kv_cache, swap_cache = self._allocate_cache(self.plan)
+        caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
+        self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
+                                 self.plan.num_cpu_blocks if swap_cache is not None else 0,
+                                 namespace=(self.model_id, config.dtype, config.kv_dtype, None))
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, swap_cache, self.plan.block_size, config.seed)
+        self.outputs = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+        self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0
+        self._last_step_tokens = 0
+        self._last_log = time.monotonic()
+        self.load_time_s = time.perf_counter() - t0
+
+    @classmethod
+    def from_options(cls, model: str = "SmolLM2-135M-Instruct", **options: Any) -> "LLMEngine":
+        return cls(engine_config(model, **options))
+
+    def _allocate_cache(self, plan: CachePlan) -> tuple[Optional[KVCache], Optional[KVCache]]:
+        if not self.config.use_cache:
+            return None, None
+        c, dtype = self.model_config, getattr(torch, self.config.kv_dtype)
+        cache = KVCache(c.num_hidden_layers, plan.num_blocks, plan.block_size,
+                        c.num_key_value_heads, c.head_dim, dtype, self.config.device)
+        swap = None
+        if self.config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
+            swap = KVCache(c.num_hidden_layers, plan.num_cpu_blocks, plan.block_size,
+                           c.num_key_value_heads, c.head_dim, dtype, "cpu")
+        return cache, swap
+
+    # ---- requests ----
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass token ids, or --tokenizer")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:3]}")
+        return ids
+
+    def add_request(self, request_id: Optional[str], prompt: Prompt,
+                    params: Optional[SamplingParams] = None, priority: int = 0,
+                    arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> str:
+        """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        self._validate(ids, params)
+        max_waiting = self.config.scheduler.max_waiting
+        if max_waiting is not None and len(self.scheduler.waiting) >= max_waiting:
+            raise QueueFullError(f"the waiting queue is full ({max_waiting} requests)")
+        rid = request_id if request_id is not None else str(next(self._ids))
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        req = Request(rid, ids, params, tuple(eos), priority,
+                      arrival_time if arrival_time is not None else time.monotonic(), cache_salt)
+        self.scheduler.add_request(req)
+        self.outputs.add(req, prompt if isinstance(prompt, str) else None)
+        return rid
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
+                             f"{self.max_model_len}, so at most {self.max_model_len - 1} fit")
+        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        needed = num_blocks_for(longest, self.plan.block_size)
+        if needed > self.plan.num_blocks:
+            raise ValueError(f"this request can grow to {longest} tokens ({needed} blocks) but the "
+                             f"KV cache has {self.plan.num_blocks} blocks of {self.plan.block_size}; "
+                             f"lower max_tokens or raise --kv-cache-memory")
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks now (its n > 1 samples too)."""
+        ids = [r for r in self.scheduler.requests if r == request_id or r.startswith(request_id + "#")]
+        for rid in ids:
+            req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            if req is not None:
+                self.outputs.finish_sample(req, "abort")
+        self.outputs.states.pop(request_id, None)
+        return bool(ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ----
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        touched = self.scheduler.update(sched, result)
+        self.num_steps += 1
+        self._last_step_tokens = sched.num_batched_tokens
+        self.num_generated_tokens += sum(len(t) for t in result.sampled_token_ids.values())
+        self.num_prompt_tokens_computed += sum(
+            s.num_tokens for s in sched.scheduled if s.start_position < len(s.prompt_token_ids))
+        finished_ids = set(sched.finished_request_ids)
+        touched_ids = []
+        for req in touched:
+            self._record_footprint(req)
+            if self.outputs.process(req) is not None and not req.is_finished:
+                self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
+            touched_ids.append(req.parent_id or req.request_id)
+        for rid in finished_ids:  # errors raised inside the scheduler
+            failed = self.outputs.states.get(rid)
+            if failed is not None and rid not in touched_ids:
+                touched_ids.append(rid)
+        self._maybe_log()
+        return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
+
+    def _record_footprint(self, req: Request) -> None:
+        state = self.outputs.states.get(req.parent_id or req.request_id)
+        if state is None or req.sample_index:
+            return
+        blocks = len(self.kv.block_table(req.request_id)) or req.num_kv_blocks
+        state.metrics.num_kv_blocks = blocks
+        state.metrics.kv_cache_bytes = blocks * self.plan.block_bytes if self.kv_cache is not None else 0
+
+    # ---- stats ----
+    def stats(self) -> EngineStats:
+        s = self.scheduler.stats()
+        return EngineStats(
+            s.num_running, s.num_waiting, s.num_preempted_waiting, s.num_preemptions, s.kv_usage,
+            s.num_blocks, s.num_free_blocks, s.num_cached_blocks, self.plan.block_size,
+            self.plan.block_bytes, s.prefix_hit_rate, s.fragmentation_slots, self.num_steps,
+            self._last_step_tokens, self.num_generated_tokens, self.num_prompt_tokens_computed)
+
+    def _maybe_log(self) -> None:
+        interval = self.config.log_stats_interval_s
+        now = time.monotonic()
+        if interval is None or now - self._last_log < interval:
+            return
+        self._last_log = now
+        s = self.stats()
+        logger.info("running %d | waiting %d | preempted %d | kv usage %.1f%% | prefix hit %.1f%% | "
+                    "tokens/step %d", s.num_running, s.num_waiting, s.num_preemptions,
+                    100 * s.kv_usage, 100 * s.prefix_hit_rate, s.num_batched_tokens_last_step)
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+

@@ -1,0 +1,144 @@
+"""Requests -> RequestOutputs: detokenization, stop strings, streaming deltas, metrics.
+
+Text is decoded from all of a sample's output ids each time (exact for any tokenizer) and
+streamed as deltas. A delta holds back a trailing replacement character (an incomplete UTF-8
+sequence) and any tail that could still grow into a stop string.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer.base import Tokenizer
+
+
+@dataclass
+class SampleState:
+    index: int
+    text: str = ""
+    num_sent_chars: int = 0
+    num_sent_tokens: int = 0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[str] = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list[dict[int, float]]] = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: dict[int, SampleState] = field(default_factory=dict)
+    error: Optional[str] = None
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.params.n and all(
+            s.finish_reason is not None for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Optional[Tokenizer]) -> None:
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add(self, req: Request, prompt: Optional[str]) -> None:
+        self.states[req.request_id] = RequestState(
+            req.request_id, prompt, req.prompt_token_ids, req.sampling_params,
+            RequestMetrics(req.arrival_time))
+
+    def process(self, req: Request) -> Optional[str]:
+        """Fold a request's new tokens into its sample; returns the stop string it hit, if any."""
+        state = self.states.get(req.parent_id or req.request_id)
+        if state is None:
+            return None
+        sample = state.samples.setdefault(req.sample_index, SampleState(req.sample_index))
+        sample.token_ids = req.output_token_ids
+        if req.sampling_params.logprobs is not None:
+            sample.logprobs = req.output_logprobs
+        if self.tokenizer is not None:
+            sample.text = self.tokenizer.decode(req.output_token_ids)
+        hit = self._find_stop(sample, req.sampling_params)
+        if req.is_finished and sample.finish_reason is None:
+            sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
+            state.error = state.error or req.error
+        self._update_metrics(state.metrics, req)
+        return hit
+
+    def finish_sample(self, req: Request, reason: str) -> None:
+        state = self.states.get(req.parent_id or req.request_id)
+        if state is not None:
+            sample = state.samples.setdefault(req.sample_index, SampleState(req.sample_index))
+            if sample.finish_reason is None:
+                sample.finish_reason = reason
+            self._update_metrics(state.metrics, req)
+
+    def output(self, request_id: str) -> Optional[RequestOutput]:
+        """The request's current output with deltas since the last call; finished ones are
+        forgotten after this."""
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        completions = [self._completion(s, state.params) for _, s in sorted(state.samples.items())]
+        out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
+                            state.finished, state.metrics, state.error)
+        if state.finished:
+            del self.states[request_id]
+        return out
+
+    def _completion(self, s: SampleState, params: SamplingParams) -> CompletionOutput:
+        visible = len(s.text) if s.finish_reason else _stable_length(s.text, params.stop)
+        visible = max(visible, s.num_sent_chars)
+        delta = s.text[s.num_sent_chars:visible]
+        delta_ids = s.token_ids[s.num_sent_tokens:]
+        s.num_sent_chars, s.num_sent_tokens = visible, len(s.token_ids)
+        return CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason,
+                                s.logprobs, delta, delta_ids)
+
+    def _find_stop(self, s: SampleState, params: SamplingParams) -> Optional[str]:
+        if not params.stop or s.finish_reason is not None:
+            return None
+        start = max(0, s.num_sent_chars - max(len(x) for x in params.stop))
+        best: Optional[tuple[int, str]] = None
+        for stop in params.stop:
+            i = s.text.find(stop, start)
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, stop)
+        if best is None:
+            return None
+        i, stop = best
+        s.text = s.text[:i + len(stop)] if params.include_stop_str_in_output else s.text[:i]
+        s.finish_reason, s.stop_reason = "stop", stop
+        return stop
+
+    @staticmethod
+    def _update_metrics(m: RequestMetrics, req: Request) -> None:
+        if req.sample_index:
+            return  # samples of n > 1 share the parent's timeline
+        m.first_scheduled_time = req.first_scheduled_time
+        m.first_token_time = m.first_token_time or req.first_token_time
+        m.num_cached_tokens = req.num_cached_tokens or 0
+        m.num_preemptions = req.num_preemptions
+        if req.is_finished:
+            m.finish_time = req.finish_time or time.monotonic()
+
+
+def _stable_length(text: str, stops: tuple[str, ...]) -> int:
+    """Characters safe to stream: no half-decoded character, no possible stop-string start."""
+    n = len(text)
+    while n and text[n - 1] == "\ufffd":
+        n -= 1
+    for stop in stops:
+        for k in range(min(len(stop) - 1, n), 0, -1):
+            if text[:n].endswith(stop[:k]):
+                n -= k
+                break
+    return n

@@ -1,0 +1,59 @@
+"""What the engine hands back to users: RequestOutput with one CompletionOutput per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: Optional[str] = None  # stop | length | abort | error
+    stop_reason: Optional[str] = None  # the stop string or token id that matched
+    logprobs: Optional[list[dict[int, float]]] = None
+    delta: str = ""  # text added since the previous output of this request
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: Optional[float] = None
+    first_token_time: Optional[float] = None
+    finish_time: Optional[float] = None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    num_kv_blocks: int = 0  # blocks held at the last step (the request's cache footprint)
+    kv_cache_bytes: int = 0
+
+    @property
+    def ttft(self) -> Optional[float]:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    def tpot(self, num_output_tokens: int) -> Optional[float]:
+        """Mean time per output token after the first."""
+        if self.finish_time is None or self.first_token_time is None or num_output_tokens < 2:
+            return None
+        return (self.finish_time - self.first_token_time) / (num_output_tokens - 1)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics
+    error: Optional[str] = None
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens

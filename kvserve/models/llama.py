@@ -1,0 +1,159 @@
+"""A Llama-family decoder (Llama 1-3, Mistral, Qwen2, SmolLM, llama2.c) over a flat token batch.
+
+Tokens of many sequences are flattened into one [T] batch with their own positions; the
+attention backend reads and writes each sequence's K/V through `AttentionMetadata`.
+Parameter names follow Hugging Face, so every loader is a rename table.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.attention.backend import AttentionMetadata, attention
+from kvserve.config import ModelConfig
+from kvserve.kv.cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with 'linear' or 'llama3' scaling from the config."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "linear":
+        inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "llama3":
+        inv_freq = _llama3_scaling(inv_freq, scaling)
+    elif kind != "default":
+        raise ValueError(f"unsupported rope scaling type {kind!r}")
+    return inv_freq
+
+
+def _llama3_scaling(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """cos/sin tables [max_len, head_dim/2], computed in fp32 as Hugging Face does."""
+
+    def __init__(self, config: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.cos = freqs.cos().to(device=device, dtype=dtype)
+        self.sin = freqs.sin().to(device=device, dtype=dtype)
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by position; halves rotate together (HF layout)."""
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttentionMetadata, kv_cache: Optional[KVCache]) -> torch.Tensor:
+        T = x.shape[0]
+        q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
+        k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
+        out = attention(q, k, v, layer_cache, meta)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                meta: AttentionMetadata, kv_cache: Optional[KVCache]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rope: Optional[RotaryEmbedding] = None
+
+    def init_rope(self, max_len: int) -> None:
+        weight = self.model.embed_tokens.weight
+        self.rope = RotaryEmbedding(self.config, max_len, weight.device, weight.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: Optional[KVCache]) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        assert self.rope is not None, "call init_rope() after loading weights"
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions, self.rope, meta, kv_cache)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in fp32, only for the rows that sample."""
+        return self.lm_head(hidden).float()

