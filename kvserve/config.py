@@ -20,6 +20,7 @@ DTYPE_ALIASES = {
     "float8": "fp8", "fp8_e4m3": "fp8",
 }
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+QUANT_SCALE_BYTES = {"int8": 4, "int4": 4}  # per K or V head vector of one token
 
 
 def canonical_dtype(name: str) -> str:
@@ -71,9 +72,16 @@ class ModelConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        """2 (K and V) * layers * kv_heads * head_dim * bytes per value."""
+        """2 (K and V) * layers * kv_heads * head_dim * bytes per value, plus the scales a
+        quantized cache stores (kv_scale_bytes_per_token)."""
         return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-                * DTYPE_BYTES[canonical_dtype(kv_dtype)])
+                * DTYPE_BYTES[canonical_dtype(kv_dtype)] + self.kv_scale_bytes_per_token(kv_dtype))
+
+    def kv_scale_bytes_per_token(self, kv_dtype: str) -> float:
+        """int8: one fp32 scale per head vector; int4: an fp16 scale and an fp16 zero point per
+        head vector; fp8 uses one scale per layer tensor (no per-token cost)."""
+        per_vector = QUANT_SCALE_BYTES.get(canonical_dtype(kv_dtype), 0)
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * per_vector
 
     def mha_kv_bytes_per_token(self, kv_dtype: str) -> float:
         """What the cache would cost if every query head had its own K/V head (plain MHA)."""

@@ -80,7 +80,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         self._step_preemptions = 0
-        self._preempt_for_priority()
+        self._preempt_for_priority()  # deliberate: the seat goes to the waiting request now
+        num_priority_preemptions = self._step_preemptions
         # Decodes first, then prefill chunks, each in policy order: a long prompt never
         # stalls the running decodes behind it.
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
@@ -93,7 +94,7 @@ class Scheduler:
             if self._allocate_or_preempt(req, num_new, scheduled):
                 scheduled.append(self._scheduled(req, num_new))
                 budget -= num_new
-        if self._step_preemptions == 0:  # admitting while preempting would only thrash
+        if self._step_preemptions == num_priority_preemptions:  # admitting while short of blocks would thrash
             self._admit(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, self.kv.take_copies(), finished, self._step_preemptions)

@@ -7,14 +7,16 @@ from typing import Any, Iterator, Optional, Sequence, Union
 
 from kvserve.engine.llm_engine import LLMEngine, Prompt, engine_config
 from kvserve.engine.outputs import RequestOutput
+from kvserve.models.loaders.base import LoadedModel
 from kvserve.sampling_params import SamplingParams
 
 
 class LLM:
     """`LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", **options: Any) -> None:
-        self.engine = LLMEngine(engine_config(model, **options))
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", loaded: Optional[LoadedModel] = None,
+                 **options: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **options), loaded)
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

@@ -21,6 +21,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.cache import KVCache
 from kvserve.kv.sizing import CachePlan, plan_cache
+from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
 from kvserve.request import Request, RequestStatus
 from kvserve.runner.model_runner import ModelRunner
@@ -73,10 +74,11 @@ def engine_config(model: str = "SmolLM2-135M-Instruct", **options: Any) -> Engin
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
+        """`loaded` lets several engines share weights already read from disk."""
         self.config = config
         t0 = time.perf_counter()
-        loaded = load_weights(config.model, config.tokenizer)
+        loaded = loaded or load_weights(config.model, config.tokenizer)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
@@ -103,8 +105,9 @@ class LLMEngine:
         self.load_time_s = time.perf_counter() - t0
 
     @classmethod
-    def from_options(cls, model: str = "SmolLM2-135M-Instruct", **options: Any) -> "LLMEngine":
-        return cls(engine_config(model, **options))
+    def from_options(cls, model: str = "SmolLM2-135M-Instruct", loaded: Optional[LoadedModel] = None,
+                     **options: Any) -> "LLMEngine":
+        return cls(engine_config(model, **options), loaded)
 
     def _allocate_cache(self, plan: CachePlan) -> tuple[Optional[KVCache], Optional[KVCache]]:
         if not self.config.use_cache:

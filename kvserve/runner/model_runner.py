@@ -12,7 +12,7 @@ RoPE positions always equal the cache length, whatever the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -43,6 +43,8 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
         self.sampler = Sampler(seed)
+        # called with (request ids, logits [N, vocab]) each step: tests and logprob tooling
+        self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
@@ -54,8 +56,10 @@ class ModelRunner:
         if not inp.sample_seqs:
             return ModelRunnerOutput({})
         logits = self.model.compute_logits(hidden[inp.logits_indices])
-        tokens, logprobs = self.sampler(logits, inp.sample_seqs)
         ids = [s.request_id for s in inp.sample_seqs]
+        if self.logits_hook is not None:
+            self.logits_hook(ids, logits)
+        tokens, logprobs = self.sampler(logits, inp.sample_seqs)
         return ModelRunnerOutput(dict(zip(ids, tokens)),
                                  {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
 

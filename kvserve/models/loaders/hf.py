@@ -44,14 +44,16 @@ def read_config(directory: str) -> ModelConfig:
         raise ModelLoadError(f"{directory}: unsupported architecture {c.get('architectures')}; "
                              f"supported: {sorted(SUPPORTED)}")
     heads = c["num_attention_heads"]
+    rope = c.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
+    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=c.get("rope_theta", 10000.0),
-        rope_scaling=c.get("rope_scaling"), tie_word_embeddings=c.get("tie_word_embeddings", False),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=c.get("tie_word_embeddings", False),
         attention_bias=c.get("attention_bias", arch == "qwen2"), architecture=arch,
         name=c.get("_name_or_path") or os.path.basename(os.path.normpath(directory)))
 

@@ -1,0 +1,1 @@
+"""Benchmarks behind `kvserve bench`: offline throughput and an online serving load."""

@@ -1,0 +1,301 @@
+"""kvserve generate | chat | memory | serve | bench.
+
+User mistakes (a missing file, a bad option value, a prompt longer than the context) print one
+line naming the problem and exit 2; nothing prints a traceback for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from kvserve.config import DTYPE_BYTES, canonical_dtype
+
+
+class UserError(Exception):
+    """A mistake in what the user asked for; printed as one line."""
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--model", default="SmolLM2-135M-Instruct",
+                   help="GGUF file, llama2.c checkpoint or directory, Hugging Face directory or hub id")
+    g.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--kv-dtype", default="auto", help="cache dtype (auto: the model dtype)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="bytes for the KV cache, or a fraction (0, 1] of free device memory")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-cache", action="store_true", help="recompute every token every step (reference)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-prefill-chunk", type=int, default=None)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--swap-space", type=float, default=1 << 30, help="bytes of CPU swap for preemption")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_options(a: argparse.Namespace) -> dict[str, Any]:
+    opts: dict[str, Any] = dict(
+        tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_dtype=a.kv_dtype,
+        max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
+        num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,
+        use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
+        policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
+        swap_space=int(a.swap_space), seed=a.seed)
+    if a.kv_cache_memory is not None:
+        if 0 < a.kv_cache_memory <= 1:
+            opts["kv_cache_memory_fraction"] = a.kv_cache_memory
+        else:
+            opts["kv_cache_memory"] = int(a.kv_cache_memory)
+    return opts
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (the default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--seed-sampling", dest="sampling_seed", type=int, default=None,
+                   help="seed of this request's sampler (default: derived from --seed)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(
+        max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
+        min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
+        frequency_penalty=a.frequency_penalty,
+        seed=a.sampling_seed if a.sampling_seed is not None else a.seed,
+        stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+
+
+def make_engine(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    from kvserve.engine.llm_engine import LLMEngine
+    return LLMEngine.from_options(a.model, **engine_options(a))
+
+
+# ---- generate ----
+def cmd_generate(a: argparse.Namespace) -> int:
+    params = sampling_params(a)
+    engine = make_engine(a)
+    prompt: Any = a.prompt
+    if a.chat:
+        if engine.tokenizer is None or not engine.tokenizer.chat_template:
+            raise UserError(f"--chat: model {a.model!r} has no chat template")
+        prompt = engine.tokenizer.encode_chat([{"role": "user", "content": a.prompt}])
+    t0 = time.perf_counter()
+    rid = engine.add_request("cli", prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                if not a.json:
+                    sys.stdout.write(out.outputs[0].delta)
+                    sys.stdout.flush()
+                final = out
+    elapsed = time.perf_counter() - t0
+    assert final is not None
+    if a.json:
+        print(json.dumps(generate_report(final, elapsed, engine)))
+    else:
+        sys.stdout.write("\n")
+        if final.error:
+            raise UserError(final.error)
+    return 0
+
+
+def generate_report(out: Any, elapsed: float, engine: Any) -> dict[str, Any]:
+    c, m = out.outputs[0], out.metrics
+    n = len(c.token_ids)
+    ttft = m.ttft
+    decode_s = elapsed - (ttft or 0.0)
+    return {
+        "text": c.text, "token_ids": c.token_ids, "prompt_tokens": len(out.prompt_token_ids),
+        "completion_tokens": n, "finish_reason": c.finish_reason, "ttft_s": ttft,
+        "tpot_s": m.tpot(n), "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+        "kv_cache_bytes": m.kv_cache_bytes, "kv_blocks": m.num_kv_blocks,
+        "cached_tokens": m.num_cached_tokens, "block_size": engine.plan.block_size,
+        "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(engine.config.kv_dtype),
+    }
+
+
+# ---- chat ----
+def cmd_chat(a: argparse.Namespace) -> int:
+    params = sampling_params(a)
+    engine = make_engine(a)
+    if engine.tokenizer is None or not engine.tokenizer.chat_template:
+        raise UserError(f"model {a.model!r} has no chat template")
+    messages: list[dict[str, str]] = []
+    if a.system:
+        messages.append({"role": "system", "content": a.system})
+    print("kvserve chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if line.strip() in ("/exit", "/quit"):
+            return 0
+        if line.strip() == "/reset":
+            messages = messages[:1] if a.system else []
+            continue
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        rid = engine.add_request(None, engine.tokenizer.encode_chat(messages), params)
+        reply = ""
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.request_id == rid:
+                    sys.stdout.write(out.outputs[0].delta)
+                    sys.stdout.flush()
+                    reply = out.outputs[0].text
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+# ---- memory ----
+def memory_report(model: str, context: Optional[int], batch: int, kv_dtype: str,
+                  block_size: int) -> dict[str, Any]:
+    from kvserve.core.block_math import num_blocks_for
+    from kvserve.models.registry import read_model_config
+    cfg = read_model_config(model)
+    kv = canonical_dtype("float32" if kv_dtype == "auto" else kv_dtype)
+    ctx = context or cfg.max_position_embeddings
+    per_token = cfg.kv_bytes_per_token(kv)
+    mha = cfg.mha_kv_bytes_per_token(kv)
+    blocks = num_blocks_for(ctx, block_size)
+    return {
+        "model": cfg.name, "layers": cfg.num_hidden_layers, "query_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "kv_dtype": kv,
+        "bytes_per_value": DTYPE_BYTES[kv], "scale_bytes_per_token": cfg.kv_scale_bytes_per_token(kv),
+        "bytes_per_token": per_token, "mha_bytes_per_token": mha,
+        "attention": _attention_kind(cfg.num_attention_heads, cfg.num_key_value_heads),
+        "context": ctx, "batch": batch, "total_bytes": per_token * ctx * batch,
+        "mha_total_bytes": mha * ctx * batch, "block_size": block_size,
+        "block_bytes": per_token * block_size, "blocks_per_sequence": blocks,
+        "paged_total_bytes": per_token * block_size * blocks * batch,
+    }
+
+
+def _attention_kind(heads: int, kv_heads: int) -> str:
+    if kv_heads == heads:
+        return "MHA"
+    return "MQA" if kv_heads == 1 else f"GQA ({heads // kv_heads} query heads per KV head)"
+
+
+def cmd_memory(a: argparse.Namespace) -> int:
+    r = memory_report(a.model, a.context, a.batch, a.kv_dtype, a.block_size)
+    if a.json:
+        print(json.dumps(r))
+        return 0
+    print(f"model {r['model']}: {r['layers']} layers, {r['query_heads']} query heads, "
+          f"{r['kv_heads']} KV heads, head_dim {r['head_dim']} -> {r['attention']}")
+    scale = f" + {r['scale_bytes_per_token']:g} scale bytes" if r["scale_bytes_per_token"] else ""
+    print(f"KV per token ({r['kv_dtype']}): 2 x {r['layers']} x {r['kv_heads']} x {r['head_dim']} x "
+          f"{r['bytes_per_value']:g}{scale} = {r['bytes_per_token']:,.0f} bytes ({_human(r['bytes_per_token'])})")
+    print(f"  MHA-equivalent storage ({r['query_heads']} KV heads): {r['mha_bytes_per_token']:,.0f} bytes "
+          f"per token ({r['mha_bytes_per_token'] / r['bytes_per_token']:.1f}x)")
+    print(f"context {r['context']:,} x batch {r['batch']}: {r['total_bytes']:,.0f} bytes "
+          f"({_human(r['total_bytes'])}); MHA-equivalent {_human(r['mha_total_bytes'])}")
+    print(f"paged, block size {r['block_size']}: {r['blocks_per_sequence']} blocks of "
+          f"{_human(r['block_bytes'])} per sequence, {_human(r['paged_total_bytes'])} in all")
+    return 0
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{n:,.0f} B"
+        n /= 1024
+    return str(n)
+
+
+# ---- serve / bench ----
+def cmd_serve(a: argparse.Namespace) -> int:
+    from kvserve.server.app import serve
+    return serve(a)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    if a.bench == "throughput":
+        from kvserve.bench.throughput import run_throughput
+        return run_throughput(a)
+    from kvserve.bench.serve import run_serve_bench
+    return run_serve_bench(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvserve", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate a completion, streamed to the terminal")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object with text and figures")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive multi-turn chat using the model's template")
+    c.add_argument("--system", default=None, help="a system message")
+    add_engine_args(c)
+    add_sampling_args(c)
+    c.set_defaults(func=cmd_chat, max_tokens=512)
+    m = sub.add_parser("memory", help="KV cache size per token and in total")
+    m.add_argument("--model", default="SmolLM2-135M-Instruct", help="model file or a known name")
+    m.add_argument("--context", type=int, default=None, help="tokens per sequence (default: model's)")
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--kv-dtype", default="auto", help="float32 | bfloat16 | float16 | fp8 | int8 | int4")
+    m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(func=cmd_memory)
+    from kvserve.server.args import add_serve_args
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    add_engine_args(s)
+    add_serve_args(s)
+    s.set_defaults(func=cmd_serve)
+    b = sub.add_parser("bench", help="benchmarks that print figures")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from kvserve.bench.args import add_serve_bench_args, add_throughput_args
+    bt = bsub.add_parser("throughput", help="offline throughput vs Hugging Face generate()")
+    add_engine_args(bt)
+    add_throughput_args(bt)
+    bs = bsub.add_parser("serve", help="load a running server like `vllm bench serve`")
+    add_serve_bench_args(bs)
+    b.set_defaults(func=cmd_bench)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    from kvserve.models.loaders.base import ModelLoadError
+    try:
+        return int(args.func(args) or 0)
+    except (UserError, ModelLoadError, ValueError, FileNotFoundError, IsADirectoryError,
+            PermissionError) as e:
+        print(f"kvserve: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""Shared fixtures: the two real models (loaded once per session) and small factories."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+STORIES_DIR = REPO.parent / "shared" / "models" / "stories260K"
+STORIES_GOLDEN = ("Once upon a time, there was a little girl named Lily. "
+                  "She loved to play outside in the park.")
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> str:
+    if not (STORIES_DIR / "stories260K.bin").exists():
+        pytest.fail(f"stories260K is missing at {STORIES_DIR} (see its SOURCE.md)")
+    return str(STORIES_DIR)
+
+
+@pytest.fixture(scope="session")
+def stories(stories_path: str):
+    from kvserve.models.registry import load_weights
+    return load_weights(stories_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    from kvserve.models.registry import load_weights
+    return load_weights("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from kvserve.models.registry import default_model_path
+    return default_model_path()
+
+
+def make_engine(loaded: Any, **options: Any):
+    """An engine over already-loaded weights; options as LLM(...) takes them."""
+    from kvserve.engine.llm_engine import LLMEngine
+    options.setdefault("num_blocks", 256)
+    return LLMEngine.from_options("preloaded", loaded=loaded, **options)
+
+
+def make_llm(loaded: Any, **options: Any):
+    from kvserve.engine.llm import LLM
+    options.setdefault("num_blocks", 256)
+    return LLM("preloaded", loaded=loaded, **options)
+
+
+def greedy(max_tokens: int = 16, **kw: Any):
+    from kvserve.sampling_params import SamplingParams
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list, dict]:
+    """Run prompts to completion; returns outputs in order and each request's logits per step."""
+    import torch
+    logits: dict[str, list[torch.Tensor]] = {}
+
+    def hook(ids: list[str], rows: torch.Tensor) -> None:
+        for rid, row in zip(ids, rows):
+            logits.setdefault(rid, []).append(row.clone())
+
+    engine.runner.logits_hook = hook
+    ids = [engine.add_request(None, p, params) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        engine.check_integrity()
+    engine.runner.logits_hook = None
+    return [done[i] for i in ids], {i: logits[i] for i in ids}
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,43 @@
+"""Pure-Python factories for core tests."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+from kvserve.config import SchedulerConfig
+from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
+from kvserve.core.scheduler import Scheduler
+from kvserve.request import Request
+from kvserve.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+def make_request(tokens, max_tokens: int = 8, salt: Optional[str] = None, priority: int = 0,
+                 arrival: Optional[float] = None, rid: Optional[str] = None, **params) -> Request:
+    return Request(rid or f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens, **params),
+                   eos_token_ids=(), priority=priority,
+                   arrival_time=arrival if arrival is not None else float(next(_ids)), cache_salt=salt)
+
+
+def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True,
+                 cpu_blocks: int = 0, namespace=("m", "float32", "float32", None)) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, caching, cpu_blocks, namespace)
+
+
+def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 64,
+                   caching: bool = True, cpu_blocks: int = 0, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), make_manager(num_blocks, block_size, caching, cpu_blocks),
+                     max_model_len)
+
+
+def fake_step(sched: Scheduler, next_token=lambda rid, n: 7) -> SchedulerOutput:
+    """Schedule, 'run' (each sampled request gets next_token), update, check integrity."""
+    out = sched.schedule()
+    sampled = {s.request_id: [next_token(s.request_id, i) for i in range(s.num_samples)]
+               for s in out.scheduled if s.num_samples}
+    sched.update(out, ModelRunnerOutput(sampled))
+    sched.kv.check_integrity()
+    return out

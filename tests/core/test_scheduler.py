@@ -1,0 +1,155 @@
+from kvserve.request import RequestStatus
+from tests.core.factories import fake_step, make_request, make_scheduler
+
+
+def run_to_end(sched, limit=500):
+    steps = []
+    for _ in range(limit):
+        if not sched.has_unfinished():
+            return steps
+        steps.append(fake_step(sched))
+    raise AssertionError("scheduler did not finish")
+
+
+def test_chunked_prefill_respects_budget_and_decodes_go_first():
+    sched = make_scheduler(num_blocks=64, block_size=4, max_num_batched_tokens=8, max_prefill_chunk=8)
+    short = make_request(range(3), max_tokens=5)
+    sched.add_request(short)
+    fake_step(sched)  # short prefilled, decoding from now on
+    long = make_request(range(20), max_tokens=2)
+    sched.add_request(long)
+    out = fake_step(sched)
+    assert [(s.request_id, s.num_tokens) for s in out.scheduled] == [(short.request_id, 1), (long.request_id, 7)]
+    assert out.num_batched_tokens <= 8
+    out = fake_step(sched)
+    assert out.scheduled[0].request_id == short.request_id  # never stalled behind the prompt
+    assert long.num_computed_tokens == 14 and long.num_output_tokens == 0
+    run_to_end(sched)
+    assert long.num_output_tokens == 2 and short.num_output_tokens == 5
+
+
+def test_positions_start_at_the_cache_length():
+    sched = make_scheduler()
+    req = make_request(range(5), max_tokens=3)
+    sched.add_request(req)
+    starts = [fake_step(sched).scheduled[0].start_position for _ in range(3)]
+    assert starts == [0, 5, 6]
+
+
+def test_max_num_seqs_limits_running():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2)
+    for _ in range(4):
+        sched.add_request(make_request(range(3)))
+    out = fake_step(sched)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_recompute_preemption_frees_and_requeues_newest():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_seqs=4)
+    a, b = make_request(range(4), max_tokens=6), make_request(range(10, 14), max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    # at position 8 both need a third block and only four exist: b (the newest) goes
+    steps = run_to_end(sched)
+    assert sched.num_preemptions >= 1 and b.num_preemptions >= 1 and a.num_preemptions == 0
+    assert sum(s.num_preempted for s in steps) == sched.num_preemptions
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6
+    assert sched.kv.pool.num_free_blocks == 4
+
+
+def test_swap_preemption_keeps_computed_tokens():
+    sched = make_scheduler(num_blocks=4, block_size=4, cpu_blocks=8, preemption_mode="swap")
+    a, b = make_request(range(4), max_tokens=6), make_request(range(10, 14), max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    swapped_seen = False
+    while sched.has_unfinished():
+        fake_step(sched)
+        if b.status == RequestStatus.SWAPPED:
+            swapped_seen = True
+            assert b.num_computed_tokens > 0  # nothing to recompute
+    assert swapped_seen and a.num_output_tokens == b.num_output_tokens == 6
+    assert sched.kv.cpu_pool.num_free_blocks == 8 and sched.kv.pool.num_free_blocks == 4
+
+
+def test_priority_request_admitted_late_takes_a_seat():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=1, policy="priority")
+    lows = [make_request(range(3), max_tokens=4, priority=5) for _ in range(3)]
+    for r in lows:
+        sched.add_request(r)
+    fake_step(sched)
+    high = make_request(range(3), max_tokens=4, priority=0)
+    sched.add_request(high)
+    finished = []
+    while sched.has_unfinished():
+        fake_step(sched)
+        for r in lows + [high]:
+            if r.is_finished and r not in finished:
+                finished.append(r)
+    assert finished[0] is high
+    assert lows[0].num_preemptions == 1  # it gave its seat up and resumed later
+    assert [r.num_output_tokens for r in lows] == [4, 4, 4]
+
+
+def test_priority_order_among_waiting():
+    sched = make_scheduler(num_blocks=64, max_num_seqs=2, policy="priority")
+    lows = [make_request(range(3), max_tokens=4, priority=5) for _ in range(4)]
+    for r in lows:
+        sched.add_request(r)
+    fake_step(sched)
+    high = make_request(range(3), max_tokens=4, priority=0)
+    sched.add_request(high)
+    order = []
+    while sched.has_unfinished():
+        fake_step(sched)
+        order += [r for r in lows + [high] if r.is_finished and r not in order]
+    assert order.index(high) < order.index(lows[2]) and order.index(high) < order.index(lows[3])
+
+
+def test_abort_frees_blocks_immediately():
+    sched = make_scheduler(num_blocks=8)
+    req = make_request(range(9), max_tokens=50)
+    sched.add_request(req)
+    fake_step(sched)
+    assert sched.kv.pool.num_free_blocks < 8
+    sched.finish_request(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.pool.num_free_blocks == 8 and not sched.has_unfinished()
+    assert req.finish_reason == "abort"
+    sched.kv.check_integrity()
+
+
+def test_sequence_too_large_for_the_cache_errors_instead_of_looping():
+    sched = make_scheduler(num_blocks=2, block_size=4, max_model_len=64)
+    req = make_request(range(6), max_tokens=20, ignore_eos=True)
+    sched.add_request(req)
+    run_to_end(sched)
+    assert req.status == RequestStatus.FINISHED_ERROR and "too small" in req.error
+    assert sched.kv.pool.num_free_blocks == 2
+
+
+def test_n_samples_fork_the_prompt_blocks():
+    sched = make_scheduler(num_blocks=16, block_size=4)
+    req = make_request(range(6), max_tokens=3, n=3, temperature=1.0)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.scheduled[0].num_samples == 3
+    from kvserve.core.outputs import ModelRunnerOutput
+    sched.update(out, ModelRunnerOutput({req.request_id: [1, 2, 3]}))
+    children = [r for r in sched.running if r.parent_id == req.request_id]
+    assert [c.output_token_ids for c in children] == [[2], [3]]
+    table = sched.kv.block_table(req.request_id)
+    assert all(sched.kv.block_table(c.request_id) == table for c in children)
+    run_to_end(sched)
+    assert sched.kv.pool.num_free_blocks == 16
+
+
+def test_length_and_stop_token_finish():
+    sched = make_scheduler()
+    req = make_request(range(3), max_tokens=10, stop_token_ids=(7,))
+    sched.add_request(req)
+    run_to_end(sched)
+    assert req.finish_reason == "stop" and req.output_token_ids == [7]
+    req2 = make_request(range(60), max_tokens=10)  # max_model_len 64 cuts it at 4 tokens
+    sched.add_request(req2)
+    run_to_end(sched)
+    assert req2.finish_reason == "length" and req2.num_tokens == 64
