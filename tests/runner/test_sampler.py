@@ -1,0 +1,82 @@
+import pytest
+import torch
+
+from kvserve.core.outputs import ScheduledSequence
+from kvserve.runner.sampler import Sampler, apply_penalties, filter_logits
+from kvserve.sampling_params import SamplingParams
+from tests.conftest import make_llm
+
+
+def seq(rid, params, n=1, prompt=(), output=()):
+    return ScheduledSequence(rid, [1], 0, [], params, n, list(prompt), list(output), params.seed)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(temperature=-0.5), dict(top_p=0.0), dict(top_p=1.5), dict(top_k=-2), dict(min_p=1.2),
+    dict(max_tokens=0), dict(max_tokens=-3), dict(n=0), dict(repetition_penalty=0.0),
+    dict(presence_penalty=3.0), dict(frequency_penalty=-2.5), dict(stop=[""]), dict(seed="x"),
+    dict(logprobs=50), dict(min_tokens=20, max_tokens=5), dict(temperature=float("nan")),
+])
+def test_invalid_parameters_raise_naming_the_field(bad):
+    field = next(iter(bad))
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**bad)
+
+
+def test_top_k_top_p_min_p_filtering():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    keep = lambda p: torch.isfinite(filter_logits(logits.clone(), [p]))[0].tolist()
+    assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.8)) == [True, True, False, False]
+    assert keep(SamplingParams(top_p=0.81)) == [True, True, True, False]
+    assert keep(SamplingParams(top_p=0.1)) == [True, False, False, False]
+    assert keep(SamplingParams(min_p=0.5)) == [True, True, False, False]
+
+
+def test_penalties():
+    row = torch.tensor([2.0, -2.0, 1.0, 0.0])
+    out = apply_penalties(row.clone(), SamplingParams(repetition_penalty=2.0), [0], [1])
+    assert out.tolist() == [1.0, -4.0, 1.0, 0.0]
+    out = apply_penalties(row.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=1.0), [], [2, 2])
+    assert out.tolist() == [2.0, -2.0, -1.5, 0.0]
+
+
+def test_fixed_seed_reproduces_whatever_the_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    p = SamplingParams(temperature=0.9, top_p=0.9, seed=42)
+    a, _ = Sampler(0)(logits, [seq("a", p, n=4), seq("b", SamplingParams(temperature=0)), seq("c", p)])
+    b, _ = Sampler(1)(logits[:1], [seq("zz", p, n=4)])
+    assert a[0] == b[0]
+    assert a[1] == [int(logits[1].argmax())]
+    c, _ = Sampler(0)(logits[:1], [seq("a", SamplingParams(temperature=0.9, top_p=0.9, seed=43), n=4)])
+    d, _ = Sampler(0)(logits[:1], [seq("a", SamplingParams(temperature=0.9, top_p=0.9, seed=44), n=4)])
+    assert len({tuple(a[0]), tuple(c[0]), tuple(d[0])}) > 1
+
+
+def test_logprobs_are_log_softmax_of_raw_logits():
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    tokens, lps = Sampler(0)(logits, [seq("a", SamplingParams(temperature=0, logprobs=2))])
+    ref = logits[0].log_softmax(-1)
+    assert tokens == [[2]] and lps[0][0] == pytest.approx({2: float(ref[2]), 1: float(ref[1])})
+
+
+def test_seeded_generation_reproduces_end_to_end(stories):
+    llm = make_llm(stories)
+    p = SamplingParams(temperature=1.0, top_k=20, seed=123, max_tokens=30)
+    a = llm.generate(["Once upon a time"], p)[0].outputs[0].token_ids
+    b = llm.generate(["Once upon a time", "Tom"], p)[0].outputs[0].token_ids
+    c = llm.generate(["Once upon a time"], SamplingParams(temperature=1.0, top_k=20, seed=124, max_tokens=30))
+    assert a == b and a != c[0].outputs[0].token_ids
+
+
+def test_stop_strings_truncate_and_finish(stories):
+    llm = make_llm(stories)
+    full = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30))[0].outputs[0].text
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=30, stop=["Lily"]))[0]
+    c = out.outputs[0]
+    assert c.text == full[:full.index("Lily")] and c.finish_reason == "stop" and c.stop_reason == "Lily"
+    assert llm.engine.kv.pool.num_used_blocks == 0
+    streamed = "".join(o.outputs[0].delta for o in llm.stream("Once upon a time",
+                                                               SamplingParams(temperature=0, max_tokens=30, stop=["Lily"])))
+    assert streamed == c.text
