@@ -35,21 +35,25 @@ class AttentionMetadata:
     slot_mapping: Optional[torch.Tensor] = None  # [T]: where each new K/V goes; None: no cache
     num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are single-token decodes
     decode_block_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
-    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] bool, False past each context
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] additive: 0, or -inf past each context
     decode_slots_per_block: int = 0  # min(block_size, longest context): the contiguous layout
     prefills: list[PrefillSpan] = field(default_factory=list)  # reads only what it holds
 
 
 def write_kv(cache: LayerCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     k_cache, v_cache = cache
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    k_cache.view(-1, *k.shape[1:]).index_put_((slot_mapping,), k)
+    v_cache.view(-1, *v.shape[1:]).index_put_((slot_mapping,), v)
 
 
 def gather_context(cache_tensor: torch.Tensor, block_tables: torch.Tensor, slots_per_block: int) -> torch.Tensor:
-    """[..., num_blocks] block ids -> [..., num_blocks * slots_per_block, kv_heads, head_dim]."""
-    blocks = cache_tensor[block_tables, :slots_per_block]  # [..., nb, s, kvh, hd]
-    return blocks.flatten(-4, -3)
+    """[..., num_blocks] block ids -> [..., num_blocks * slots_per_block, kv_heads, head_dim].
+
+    index_select over whole blocks copies contiguous chunks (about twice as fast as advanced
+    indexing on CPU); narrowing first keeps a contiguous-layout slab from being copied whole."""
+    src = cache_tensor if slots_per_block == cache_tensor.shape[1] else cache_tensor[:, :slots_per_block]
+    blocks = src.index_select(0, block_tables.reshape(-1))  # [B * nb, s, kvh, hd]
+    return blocks.view(*block_tables.shape[:-1], -1, *cache_tensor.shape[2:])
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Optional[LayerCache],

@@ -128,7 +128,10 @@ class ModelRunner:
         meta.decode_block_tables = self._tensor(tables)
         meta.decode_slots_per_block = slots_per_block
         positions = torch.arange(length, device=self.device)
-        meta.decode_mask = (positions.unsqueeze(0) < self._tensor(ctx).unsqueeze(1)).view(len(ctx), 1, 1, length)
+        past_end = positions.unsqueeze(0) >= self._tensor(ctx).unsqueeze(1)
+        mask = torch.zeros(len(ctx), 1, 1, length, dtype=self.model.model.embed_tokens.weight.dtype,
+                           device=self.device)
+        meta.decode_mask = mask.masked_fill_(past_end.view(len(ctx), 1, 1, length), float("-inf"))
 
     def _prefill_span(self, s: ScheduledSequence, row: int) -> PrefillSpan:
         if s.start_position == 0:  # the chunk is the whole context: no gather, plain causal

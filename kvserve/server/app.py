@@ -1,0 +1,327 @@
+"""The OpenAI-compatible HTTP API: completions, chat completions (streamed as server-sent
+events), models, health and Prometheus metrics, over one AsyncEngine.
+
+Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for invalid
+requests (naming the field), 401 without the API key, 404 for an unknown model, 413 for an
+oversized body, 503 with Retry-After when the waiting queue is full.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import json
+import logging
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+from kvserve.engine.llm_engine import LLMEngine, QueueFullError
+from kvserve.engine.outputs import RequestOutput
+from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+
+logger = logging.getLogger("kvserve.server")
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None,
+                 kind: str = "invalid_request_error", code: Optional[str] = None,
+                 headers: Optional[dict[str, str]] = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+        self.headers = headers
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+
+def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
+               max_body_bytes: int = 1 << 20) -> FastAPI:
+    metrics_holder: dict[str, ServerMetrics] = {}
+    aengine = AsyncEngine(engine, on_finished=lambda out: metrics_holder["m"].finished(out))
+    metrics = ServerMetrics(lambda: aengine.stats)
+    metrics_holder["m"] = metrics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        aengine.start()
+        yield
+        aengine.stop()
+
+    app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
+    app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
+    _install_guards(app, api_key, max_body_bytes, metrics)
+    _install_routes(app, aengine, engine, model_name, metrics)
+    return app
+
+
+def _install_guards(app: FastAPI, api_key: Optional[str], max_body_bytes: int, metrics: ServerMetrics) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        metrics.reject(str(e.status))
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
+        err = e.errors()[0] if e.errors() else {}
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        param = ".".join(loc) or None
+        kind = err.get("type", "")
+        msg = "the request body is not valid JSON" if kind == "json_invalid" else \
+            f"{param or 'body'}: {err.get('msg', 'invalid value')}"
+        metrics.reject("400")
+        return error_response(APIError(400, msg, param))
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if request.url.path.startswith("/v1") and api_key is not None:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {api_key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                metrics.reject("401")
+                return error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                               kind="authentication_error", code="invalid_api_key"))
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            metrics.reject("413")
+            return error_response(APIError(413, f"request body larger than {max_body_bytes} bytes"))
+        return await call_next(request)
+
+
+def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model_name: str,
+                    metrics: ServerMetrics) -> None:
+    tokenizer = engine.tokenizer
+
+    def check_model(name: Optional[str]) -> None:
+        if name is not None and name != model_name:
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+                           "model", "NotFoundError", "model_not_found")
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus() -> PlainTextResponse:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+        return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvserve", "max_model_len": engine.max_model_len}]}
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if isinstance(body.prompt, str) and not body.prompt:
+            raise APIError(400, "prompt: must not be empty", "prompt")
+        params = _params(body, body.logprobs)
+        return await _respond(aengine, body, body.prompt, params, request, model_name, chat=False,
+                              tokenizer=tokenizer)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        check_model(body.model)
+        if tokenizer is None or not tokenizer.chat_template:
+            raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+        ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        if body.max_completion_tokens is not None and body.max_tokens is None:
+            body.max_tokens = body.max_completion_tokens
+        params = _params(body, (body.top_logprobs or 0) if body.logprobs else None)
+        return await _respond(aengine, body, ids, params, request, model_name, chat=True, tokenizer=tokenizer)
+
+
+def _params(body: Any, logprobs: Optional[int]) -> Any:
+    try:
+        return body.sampling_params(16, logprobs)
+    except ValueError as e:
+        field = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), field) from e
+
+
+async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, request: Request,
+                   model_name: str, chat: bool, tokenizer: Any) -> Any:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    stream = aengine.generate(rid, prompt, params, body.priority, body.cache_salt)
+    try:
+        first = await stream.__anext__()
+    except QueueFullError as e:
+        raise APIError(503, str(e), kind="server_overloaded", code="queue_full", headers={"Retry-After": "1"}) from e
+    except ValueError as e:
+        raise APIError(400, str(e), "messages" if chat else "prompt") from e
+    fmt = _Formatter(rid, model_name, chat, tokenizer)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(fmt, first, stream, request, include_usage),
+                                 media_type="text/event-stream")
+    last = first
+    try:
+        async for out in stream:
+            last = out
+            if await request.is_disconnected():
+                break
+    finally:
+        await stream.aclose()
+    if not last.finished:
+        raise APIError(499, "client disconnected", kind="client_closed_request")
+    if last.error:
+        raise APIError(500, last.error, kind="server_error")
+    return fmt.full(last)
+
+
+async def _sse(fmt: "_Formatter", first: RequestOutput, stream: AsyncIterator[RequestOutput],
+               request: Request, include_usage: bool) -> AsyncIterator[str]:
+    out = first
+    try:
+        if fmt.chat:
+            yield _event(fmt.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None} for i in range(fmt.n(out))]))
+        while True:
+            choices = fmt.delta_choices(out)
+            if choices:
+                yield _event(fmt.chunk(choices))
+            if out.finished:
+                break
+            out = await stream.__anext__()
+            if await request.is_disconnected():
+                return
+        if include_usage:
+            yield _event(fmt.chunk([], usage=fmt.usage(out)))
+        yield "data: [DONE]\n\n"
+    finally:
+        await stream.aclose()  # a disconnect lands here: the request is aborted, its blocks freed
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+class _Formatter:
+    def __init__(self, rid: str, model: str, chat: bool, tokenizer: Any) -> None:
+        self.rid, self.model, self.chat, self.tokenizer = rid, model, chat, tokenizer
+        self.created = int(time.time())
+
+    @staticmethod
+    def n(out: RequestOutput) -> int:
+        return max(len(out.outputs), 1)
+
+    def usage(self, out: RequestOutput) -> dict[str, Any]:
+        completion = sum(len(c.token_ids) for c in out.outputs)
+        prompt = len(out.prompt_token_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": out.metrics.num_cached_tokens}}
+
+    def chunk(self, choices: list[dict[str, Any]], usage: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        payload: dict[str, Any] = {"id": self.rid, "object": obj, "created": self.created,
+                                   "model": self.model, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return payload
+
+    def delta_choices(self, out: RequestOutput) -> list[dict[str, Any]]:
+        choices = []
+        for c in out.outputs:
+            if not c.delta and not c.finished:
+                continue
+            lp = self._logprobs(c.delta_token_ids, c.logprobs, len(c.token_ids) - len(c.delta_token_ids))
+            if self.chat:
+                choices.append({"index": c.index, "delta": {"content": c.delta} if c.delta else {},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.delta, "logprobs": lp,
+                                "finish_reason": c.finish_reason})
+        return choices
+
+    def full(self, out: RequestOutput) -> dict[str, Any]:
+        choices = []
+        for c in out.outputs:
+            lp = self._logprobs(c.token_ids, c.logprobs, 0)
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                "logprobs": lp, "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(out)}
+
+    def _logprobs(self, ids: list[int], lps: Optional[list[dict[int, float]]], start: int) -> Optional[dict]:
+        if lps is None:
+            return None
+        rows = lps[start:start + len(ids)]
+        tok = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
+        if self.chat:
+            return {"content": [{"token": tok(t), "logprob": r.get(t), "bytes": None,
+                                 "top_logprobs": [{"token": tok(k), "logprob": v, "bytes": None}
+                                                  for k, v in r.items() if k != t or len(r) == 1]}
+                                for t, r in zip(ids, rows)]}
+        return {"tokens": [tok(t) for t in ids], "token_logprobs": [r.get(t) for t, r in zip(ids, rows)],
+                "top_logprobs": [{tok(k): v for k, v in r.items()} for r in rows], "text_offset": []}
+
+
+def serve(a: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserve.cli import engine_options
+    from kvserve.config import env_api_key
+    opts = engine_options(a)
+    opts["max_waiting"] = a.max_waiting
+    opts["log_stats_interval_s"] = a.log_stats_interval
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine.from_options(a.model, **opts)
+    name = a.served_model_name or _default_name(a.model)
+    api_key = a.api_key or env_api_key()
+    app = create_app(engine, name, api_key, a.max_body_bytes)
+    logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, a.host, a.port,
+                engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
+    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
+                            timeout_graceful_shutdown=int(a.shutdown_timeout))
+    _GracefulServer(config).run()
+    return 0
+
+
+def _graceful_server_class():  # type: ignore[no-untyped-def]
+    import contextlib
+    import signal
+
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """SIGTERM/SIGINT start uvicorn's graceful shutdown (stop accepting, let in-flight
+        requests finish within the timeout, then cancel them); the process then exits 0
+        instead of re-raising the signal."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):  # type: ignore[no-untyped-def]
+            sigs = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
+def _GracefulServer(config):  # type: ignore[no-untyped-def]
+    return _graceful_server_class()(config)
+
+
+def _default_name(model: str) -> str:
+    import os
+    base = os.path.basename(os.path.normpath(model))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+__all__ = ["create_app", "serve"]

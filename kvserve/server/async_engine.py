@@ -1,0 +1,146 @@
+"""AsyncEngine: one engine loop, on its own thread, feeding every connection.
+
+The engine is touched by that thread only. The event loop hands it commands (add, abort) through
+a queue and gets back futures and per-request output queues, so an HTTP handler never waits for a
+model step and a model step never waits for HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Callable, Optional
+
+from kvserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
+from kvserve.engine.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Prompt
+    params: SamplingParams
+    priority: int
+    cache_salt: Optional[str]
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future  # set to None, or to the exception add_request raised
+    outputs: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[RequestOutput], None]] = None) -> None:
+        self.engine = engine
+        self.on_finished = on_finished  # metrics hook, called on the engine thread
+        self._commands: "queue.Queue[Any]" = queue.Queue()
+        self._streams: dict[str, _Add] = {}
+        self._stop = threading.Event()
+        self.stats: EngineStats = engine.stats()
+        self.num_steps_failed = 0
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                       priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come. Leaving early (a client that disconnects)
+        aborts the request, which frees its blocks at once."""
+        loop = asyncio.get_running_loop()
+        cmd = _Add(request_id, prompt, params, priority, cache_salt, loop, loop.create_future(), asyncio.Queue())
+        self._commands.put(cmd)
+        error = await cmd.done
+        if error is not None:
+            raise error
+        finished = False
+        try:
+            while not finished:
+                out = await cmd.outputs.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    # ---- the engine thread ----
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step must not kill every stream silently
+                self.num_steps_failed += 1
+                self._fail_all(e)
+                continue
+            self.stats = self.engine.stats()
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            cmd = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while cmd is not None:
+            self._apply(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, cmd: Any) -> None:
+        if isinstance(cmd, _Add):
+            try:
+                self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params, cmd.priority,
+                                        time.monotonic(), cmd.cache_salt)
+                self._streams[cmd.request_id] = cmd
+                cmd.loop.call_soon_threadsafe(_set_result, cmd.done, None)
+            except Exception as e:
+                cmd.loop.call_soon_threadsafe(_set_result, cmd.done, e)
+        elif cmd[0] == "abort":
+            if self.engine.abort(cmd[1]):
+                self.stats = self.engine.stats()
+            self._streams.pop(cmd[1], None)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        cmd = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+            if self.on_finished is not None:
+                self.on_finished(out)
+        if cmd is not None:
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self._streams):
+            self.engine.abort(rid)
+            cmd = self._streams.pop(rid)
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, _error_output(rid, error))
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _error_output(request_id: str, error: Exception) -> RequestOutput:
+    from kvserve.engine.outputs import RequestMetrics
+    return RequestOutput(request_id, None, [], [], True, RequestMetrics(time.monotonic()),
+                         error=f"engine step failed: {type(error).__name__}: {error}")

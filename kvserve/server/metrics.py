@@ -1,0 +1,75 @@
+"""Prometheus metrics: requests by status, latency histograms, and the cache's state on scrape."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvserve.engine.llm_engine import EngineStats
+from kvserve.engine.outputs import RequestOutput
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.stats = stats
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.stats()
+        yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.num_running)
+        yield _gauge("kvserve_num_requests_waiting", "Requests waiting (preempted ones included)", s.num_waiting)
+        yield _gauge("kvserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)
+        yield _gauge("kvserve_kv_cache_blocks_total", "KV blocks in the pool", s.num_blocks)
+        yield _gauge("kvserve_kv_cache_blocks_free", "KV blocks free or cached-evictable", s.num_free_blocks)
+        yield _gauge("kvserve_kv_cache_blocks_cached", "KV blocks holding a prefix-cache hash", s.num_cached_blocks)
+        yield _gauge("kvserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried",
+                     s.prefix_hit_rate)
+        yield _gauge("kvserve_num_preemptions", "Preemptions since start", s.num_preemptions)
+        yield _gauge("kvserve_kv_cache_fragmentation_slots", "Allocated slots holding no token", s.fragmentation_slots)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc)
+    g.add_metric([], value)
+    return g
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvserve_requests", "Requests by final status", ["status"], registry=r)
+        self.prompt_tokens = Counter("kvserve_prompt_tokens", "Prompt tokens of finished requests", registry=r)
+        self.generation_tokens = Counter("kvserve_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = Histogram("kvserve_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=LATENCY_BUCKETS)
+        self.tpot = Histogram("kvserve_time_per_output_token_seconds", "Time per output token after the first",
+                              registry=r, buckets=LATENCY_BUCKETS)
+        self.e2e = Histogram("kvserve_e2e_request_latency_seconds", "Arrival to finish", registry=r,
+                             buckets=LATENCY_BUCKETS)
+        r.register(_EngineCollector(stats))
+
+    def reject(self, status: str) -> None:
+        """A request refused before the engine saw it (400, 401, 404, 503, ...)."""
+        self.requests.labels(status=status).inc()
+
+    def finished(self, out: RequestOutput) -> None:
+        reason = out.outputs[0].finish_reason if out.outputs else "error"
+        if out.error:
+            reason = "error"
+        self.requests.labels(status=reason or "error").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        n = sum(len(c.token_ids) for c in out.outputs)
+        self.generation_tokens.inc(n)
+        m = out.metrics
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        tpot = m.tpot(len(out.outputs[0].token_ids)) if out.outputs else None
+        if tpot is not None:
+            self.tpot.observe(tpot)
+        if m.finish_time is not None:
+            self.e2e.observe(m.finish_time - m.arrival_time)
