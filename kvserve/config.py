@@ -162,6 +162,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log_stats_interval_s: Optional[float] = None
+    attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -170,6 +171,8 @@ class EngineConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.attention_backend not in ("auto", "torch", "cpu-kernel"):
+            raise ValueError(f"attention backend must be auto, torch or cpu-kernel, got {self.attention_backend!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

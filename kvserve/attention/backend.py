@@ -13,7 +13,7 @@ With no cache (the recompute reference) every sequence is a prefill of its whole
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +37,9 @@ class AttentionMetadata:
     decode_block_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with block 0
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] additive: 0, or -inf past each context
     decode_slots_per_block: int = 0  # min(block_size, longest context): the contiguous layout
+    decode_context_lens: Optional[torch.Tensor] = None  # [B]
+    # a compiled kernel reading blocks in place: (q, k_cache, v_cache, tables, lens, scale) -> out
+    decode_kernel: Optional[Callable[..., torch.Tensor]] = None
     prefills: list[PrefillSpan] = field(default_factory=list)  # reads only what it holds
 
 
@@ -75,6 +78,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Optional
 def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torch.Tensor:
     B, H, D = q.shape
     assert meta.decode_block_tables is not None
+    if meta.decode_kernel is not None:
+        return meta.decode_kernel(q.contiguous(), cache[0], cache[1], meta.decode_block_tables,
+                                  meta.decode_context_lens, D ** -0.5)
     k = gather_context(cache[0], meta.decode_block_tables, meta.decode_slots_per_block)
     v = gather_context(cache[1], meta.decode_block_tables, meta.decode_slots_per_block)
     kvh = k.shape[2]

@@ -96,7 +96,8 @@ class LLMEngine:
                                  self.plan.num_cpu_blocks if swap_cache is not None else 0,
                                  namespace=(self.model_id, config.dtype, config.kv_dtype, None))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, swap_cache, self.plan.block_size, config.seed)
+        self.runner = ModelRunner(self.model, self.kv_cache, swap_cache, self.plan.block_size, config.seed,
+                                  config.attention_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0

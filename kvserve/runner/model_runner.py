@@ -36,13 +36,15 @@ class ModelInput:
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: Optional[KVCache],
-                 swap_cache: Optional[KVCache], block_size: int, seed: int = 0) -> None:
+                 swap_cache: Optional[KVCache], block_size: int, seed: int = 0,
+                 attention_backend: str = "auto") -> None:
         self.model = model
         self.kv_cache = kv_cache  # None: recompute every sequence from scratch (the reference)
         self.swap_cache = swap_cache
         self.block_size = block_size
         self.device = model.model.embed_tokens.weight.device
         self.sampler = Sampler(seed)
+        self.decode_kernel = self._pick_decode_kernel(attention_backend)
         # called with (request ids, logits [N, vocab]) each step: tests and logprob tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
 
@@ -62,6 +64,15 @@ class ModelRunner:
         tokens, logprobs = self.sampler(logits, inp.sample_seqs)
         return ModelRunnerOutput(dict(zip(ids, tokens)),
                                  {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+
+    def _pick_decode_kernel(self, backend: str) -> Optional[Callable[..., torch.Tensor]]:
+        if backend == "torch" or self.device.type != "cpu" or self.kv_cache is None:
+            return None
+        from kvserve.attention import cpu_kernel
+        fn = cpu_kernel.decode_fn()
+        if fn is None and backend == "cpu-kernel":
+            raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure()}")
+        return fn
 
     def apply_copies(self, copies: BlockCopies) -> None:
         if not copies:
@@ -127,6 +138,10 @@ class ModelRunner:
         length = num_blocks * slots_per_block
         meta.decode_block_tables = self._tensor(tables)
         meta.decode_slots_per_block = slots_per_block
+        meta.decode_context_lens = self._tensor(ctx)
+        meta.decode_kernel = self.decode_kernel
+        if self.decode_kernel is not None:
+            return  # the kernel reads each context's exact length: no padding mask
         positions = torch.arange(length, device=self.device)
         past_end = positions.unsqueeze(0) >= self._tensor(ctx).unsqueeze(1)
         mask = torch.zeros(len(ctx), 1, 1, length, dtype=self.model.model.embed_tokens.weight.dtype,

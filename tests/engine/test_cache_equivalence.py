@@ -37,9 +37,10 @@ def stories_reference(stories):
     return run_collecting_logits(engine, prompts_for(stories.tokenizer), greedy(12, ignore_eos=True))
 
 
+@pytest.mark.parametrize("backend", ["torch", "cpu-kernel"])
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: f"{d['kv_layout']}-{d.get('block_size', 'slab')}")
-def test_stories_cached_equals_recompute(stories, stories_reference, layout):
-    engine = make_engine(stories, **{"max_model_len": 64, **layout})
+def test_stories_cached_equals_recompute(stories, stories_reference, layout, backend):
+    engine = make_engine(stories, **{"max_model_len": 64, "attention_backend": backend, **layout})
     got = run_collecting_logits(engine, prompts_for(stories.tokenizer), greedy(12, ignore_eos=True))
     assert_same(stories_reference, got)
     assert engine.kv.pool.num_free_blocks == engine.plan.num_blocks

@@ -1,0 +1,66 @@
+"""The compiled decode kernel equals the torch reference on random paged caches."""
+
+import pytest
+import torch
+
+from kvserve.attention import cpu_kernel
+from kvserve.attention.backend import AttentionMetadata, attention
+
+
+def build(B, H, KVH, D, BS, lens, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = sum(-(-L // BS) for L in lens) + 3
+    k_cache = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    v_cache = torch.randn(nb, BS, KVH, D, generator=g).to(dtype)
+    perm = torch.randperm(nb, generator=g).tolist()  # blocks scattered through the pool
+    max_blocks = max(-(-L // BS) for L in lens)
+    tables, i = [], 0
+    for L in lens:
+        n = -(-L // BS)
+        tables.append(perm[i:i + n] + [0] * (max_blocks - n))
+        i += n
+    q = torch.randn(B, H, D, generator=g).to(dtype)
+    return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
+
+
+def reference(q, k_cache, v_cache, tables, lens):
+    B, H, D = q.shape
+    L = tables.shape[1] * k_cache.shape[1]
+    mask = torch.zeros(B, 1, 1, L, dtype=q.dtype).masked_fill(
+        (torch.arange(L)[None] >= lens[:, None]).view(B, 1, 1, L), float("-inf"))
+    meta = AttentionMetadata(num_decode_tokens=B, decode_block_tables=tables, decode_mask=mask,
+                             decode_slots_per_block=k_cache.shape[1], decode_context_lens=lens)
+    k_new = torch.zeros(B, k_cache.shape[2], D, dtype=q.dtype)
+    return attention(q, k_new, k_new, (k_cache, v_cache), meta)
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = cpu_kernel.decode_fn()
+    if fn is None:
+        pytest.fail(f"the CPU kernel did not build: {cpu_kernel.failure()}")
+    return fn
+
+
+@pytest.mark.parametrize("H, KVH", [(8, 8), (9, 3), (4, 1)])
+@pytest.mark.parametrize("BS", [1, 16, 32])
+def test_kernel_matches_reference_fp32(kernel, H, KVH, BS):
+    lens = [1, 17, 33, 64, 5]
+    q, k, v, t, n = build(len(lens), H, KVH, 64, BS, lens, torch.float32)
+    ref = reference(q, k, v, t, n)
+    out = kernel(q, k, v, t, n, 64 ** -0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+def test_kernel_matches_reference_bf16(kernel):
+    lens = [7, 100, 300]
+    q, k, v, t, n = build(3, 9, 3, 64, 16, lens, torch.bfloat16)
+    ref = reference(q.float(), k.float(), v.float(), t, n)
+    out = kernel(q, k, v, t, n, 64 ** -0.5).float()
+    assert (out - ref).abs().max().item() < 2e-2
+
+
+def test_torch_backend_can_be_forced(stories):
+    from tests.conftest import make_engine
+    assert make_engine(stories, attention_backend="torch").runner.decode_kernel is None
+    assert make_engine(stories, attention_backend="cpu-kernel").runner.decode_kernel is not None
