@@ -72,28 +72,11 @@ def test_swap_preemption_keeps_computed_tokens():
     assert sched.kv.cpu_pool.num_free_blocks == 8 and sched.kv.pool.num_free_blocks == 4
 
 
-def test_priority_request_admitted_late_takes_a_seat():
-    sched = make_scheduler(num_blocks=64, max_num_seqs=1, policy="priority")
-    lows = [make_request(range(3), max_tokens=4, priority=5) for _ in range(3)]
-    for r in lows:
-        sched.add_request(r)
-    fake_step(sched)
-    high = make_request(range(3), max_tokens=4, priority=0)
-    sched.add_request(high)
-    finished = []
-    while sched.has_unfinished():
-        fake_step(sched)
-        for r in lows + [high]:
-            if r.is_finished and r not in finished:
-                finished.append(r)
-    assert finished[0] is high
-    assert lows[0].num_preemptions == 1  # it gave its seat up and resumed later
-    assert [r.num_output_tokens for r in lows] == [4, 4, 4]
-
-
-def test_priority_order_among_waiting():
-    sched = make_scheduler(num_blocks=64, max_num_seqs=2, policy="priority")
-    lows = [make_request(range(3), max_tokens=4, priority=5) for _ in range(4)]
+def late_high_priority_run(max_num_seqs, num_lows):
+    """Low-priority requests start; a high-priority one arrives a step later. Returns the
+    requests and the order they finished in."""
+    sched = make_scheduler(num_blocks=64, max_num_seqs=max_num_seqs, policy="priority")
+    lows = [make_request(range(3), max_tokens=4, priority=5) for _ in range(num_lows)]
     for r in lows:
         sched.add_request(r)
     fake_step(sched)
@@ -103,6 +86,18 @@ def test_priority_order_among_waiting():
     while sched.has_unfinished():
         fake_step(sched)
         order += [r for r in lows + [high] if r.is_finished and r not in order]
+    return lows, high, order
+
+
+def test_priority_request_admitted_late_takes_a_seat():
+    lows, high, finished = late_high_priority_run(max_num_seqs=1, num_lows=3)
+    assert finished[0] is high
+    assert lows[0].num_preemptions == 1  # it gave its seat up and resumed later
+    assert [r.num_output_tokens for r in lows] == [4, 4, 4]
+
+
+def test_priority_order_among_waiting():
+    lows, high, order = late_high_priority_run(max_num_seqs=2, num_lows=4)
     assert order.index(high) < order.index(lows[2]) and order.index(high) < order.index(lows[3])
 
 
