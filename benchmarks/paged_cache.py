@@ -67,7 +67,8 @@ def prefix_run(loaded, caching: bool) -> dict:
     engine = LLMEngine.from_options("bench", loaded=loaded, enable_prefix_caching=caching, num_blocks=2400,
                                     max_model_len=2048, max_num_seqs=32, max_num_batched_tokens=2048)
     tok = loaded.tokenizer
-    system = tok.encode("You are a meticulous assistant who answers questions about caches. " * 80)[:1024]
+    system = tok.encode("You are a meticulous assistant who answers questions about caches. " * 120)[:1024]
+    assert len(system) == 1024, len(system)
     questions = [f" Question {i}: how many blocks does a {16 * (i + 1)}-token prompt need?" for i in range(32)]
     start = time.monotonic()
     for i, q in enumerate(questions):
@@ -120,7 +121,7 @@ def main() -> None:
         for r in (on, off):
             print(f"  prefix caching {'on ' if r['prefix_caching'] else 'off'}: mean TTFT {r['mean_ttft_s']:.2f} s, "
                   f"median {r['median_ttft_s']:.2f} s, prompt tokens computed {r['prompt_tokens_computed']:,} "
-                  f"of {r['prompt_tokens']:,}, total {r['elapsed_s']:.1f} s")
+                  f"of {r['prompt_tokens']:,}, prefix hit rate {100 * r['prefix_hit_rate']:.1f}%, total {r['elapsed_s']:.1f} s")
         p = result["prefix"]
         print(f"  off/on: TTFT {p['ttft_ratio_off_over_on']:.1f}x, prompt tokens computed "
               f"{p['computed_ratio_off_over_on']:.1f}x")

@@ -93,13 +93,20 @@ def _decode(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata) -> torc
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Optional[LayerCache],
              span: PrefillSpan) -> torch.Tensor:
     if span.block_table is None:  # no earlier context: attend within the chunk
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                           is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-    assert cache is not None
-    slots = min(cache[0].shape[1], span.context_len)
-    kc = gather_context(cache[0], span.block_table, slots)[:span.context_len]
-    vc = gather_context(cache[1], span.block_table, slots)[:span.context_len]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), kc.transpose(0, 1), vc.transpose(0, 1),
-                                       attn_mask=span.mask, enable_gqa=True)
-    return o.transpose(0, 1)
+        o = _sdpa_4d(q, k, v, mask=None)
+    else:
+        assert cache is not None
+        slots = min(cache[0].shape[1], span.context_len)
+        kc = gather_context(cache[0], span.block_table, slots)[:span.context_len]
+        vc = gather_context(cache[1], span.block_table, slots)[:span.context_len]
+        o = _sdpa_4d(q, kc, vc, mask=span.mask)
+    return o
+
+
+def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """[L, heads, hd] tensors through SDPA as one [1, heads, L, hd] batch: on CPU the 3-D form
+    falls back to the unfused math path (about 6x slower at 1,024 tokens), the 4-D form takes
+    the fused flash kernel. No mask means causal within the chunk."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+    return o[0].transpose(0, 1)
