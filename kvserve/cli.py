@@ -44,6 +44,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--attention-backend", choices=["auto", "torch", "cpu-kernel"], default="auto",
                    help="decode attention: the compiled CPU kernel (auto, where it builds) or torch")
+    g.add_argument("--linear-backend", choices=["auto", "torch", "cpu-kernel"], default="auto",
+                   help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
+                        "has AVX512-BF16) or torch")
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
@@ -54,7 +57,8 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
         policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
-        swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend)
+        swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend,
+        linear_backend=a.linear_backend)
     if a.kv_cache_memory is not None:
         if 0 < a.kv_cache_memory <= 1:
             opts["kv_cache_memory_fraction"] = a.kv_cache_memory

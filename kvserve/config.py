@@ -163,6 +163,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     log_stats_interval_s: Optional[float] = None
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
+    linear_backend: str = "auto"  # auto: few-row bf16 products on CPU through the compiled kernel
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -171,8 +172,10 @@ class EngineConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.attention_backend not in ("auto", "torch", "cpu-kernel"):
-            raise ValueError(f"attention backend must be auto, torch or cpu-kernel, got {self.attention_backend!r}")
+        for name in ("attention_backend", "linear_backend"):
+            if getattr(self, name) not in ("auto", "torch", "cpu-kernel"):
+                raise ValueError(f"{name.replace('_', ' ')} must be auto, torch or cpu-kernel, "
+                                 f"got {getattr(self, name)!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -97,7 +97,7 @@ class LLMEngine:
                                  namespace=(self.model_id, config.dtype, config.kv_dtype, None))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache, swap_cache, self.plan.block_size, config.seed,
-                                  config.attention_backend)
+                                  config.attention_backend, config.linear_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0

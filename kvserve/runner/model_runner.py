@@ -21,6 +21,7 @@ from kvserve.core.block_math import num_blocks_for, slots_for
 from kvserve.core.kv_cache_manager import BlockCopies
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kvserve.kv.cache import KVCache
+from kvserve.models import linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runner.sampler import Sampler
 
@@ -37,7 +38,7 @@ class ModelInput:
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, kv_cache: Optional[KVCache],
                  swap_cache: Optional[KVCache], block_size: int, seed: int = 0,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", linear_backend: str = "auto") -> None:
         self.model = model
         self.kv_cache = kv_cache  # None: recompute every sequence from scratch (the reference)
         self.swap_cache = swap_cache
@@ -45,6 +46,7 @@ class ModelRunner:
         self.device = model.model.embed_tokens.weight.device
         self.sampler = Sampler(seed)
         self.decode_kernel = self._pick_decode_kernel(attention_backend)
+        self._pick_linear_kernel(linear_backend)
         # called with (request ids, logits [N, vocab]) each step: tests and logprob tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
 
@@ -73,6 +75,14 @@ class ModelRunner:
         if fn is None and backend == "cpu-kernel":
             raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure()}")
         return fn
+
+    def _pick_linear_kernel(self, backend: str) -> None:
+        fn = None
+        if backend != "torch" and self.device.type == "cpu" and self.model.lm_head.weight.dtype == torch.bfloat16:
+            fn = linear.few_row_bf16_kernel()
+            if fn is None and backend == "cpu-kernel":
+                raise ValueError(f"linear backend 'cpu-kernel' is unavailable: {linear.failure()}")
+        linear.use_few_row_kernel(self.model, fn)
 
     def apply_copies(self, copies: BlockCopies) -> None:
         if not copies:
