@@ -28,14 +28,24 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
         counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=logits.shape[-1])
         logits -= params.frequency_penalty * counts[:logits.shape[-1]].to(logits.dtype)
         logits -= params.presence_penalty * (counts[:logits.shape[-1]] > 0).to(logits.dtype)
+    logits.copy_(bounded(logits))
     return logits
+
+
+def bounded(logits: torch.Tensor) -> torch.Tensor:
+    """Overflow to +inf (a repetition penalty or temperature near 0 divides by almost nothing)
+    becomes the largest finite value, so softmax stays a distribution; NaN becomes excluded."""
+    return logits.nan_to_num(nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Rows [R, vocab] -> temperature-scaled logits with excluded tokens set to -inf."""
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev).unsqueeze(1)
-    logits = logits / temp
+    # shifted so the favourite is 0 first: a temperature near 0 then tends to greedy instead of
+    # overflowing (softmax, top-p and min-p do not change under the shift)
+    logits = bounded(logits)
+    logits = bounded((logits - logits.max(-1, keepdim=True).values) / temp)
     top_k = [p.top_k if p.top_k > 0 else logits.shape[1] for p in params]
     top_p = [p.top_p for p in params]
     if any(k < logits.shape[1] for k in top_k) or any(p < 1.0 for p in top_p):

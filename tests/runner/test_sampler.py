@@ -41,6 +41,18 @@ def test_penalties():
     assert out.tolist() == [2.0, -2.0, -1.5, 0.0]
 
 
+@pytest.mark.parametrize("params", [
+    SamplingParams(repetition_penalty=1.17e-38, min_p=0.8), SamplingParams(repetition_penalty=8e-305, top_k=3),
+    SamplingParams(temperature=1e-30, top_p=0.5), SamplingParams(temperature=1e-45),
+    SamplingParams(temperature=0, repetition_penalty=1e-38),
+], ids=["tiny-penalty-min-p", "underflowing-penalty", "tiny-temperature", "denormal-temperature", "greedy"])
+def test_extreme_but_valid_parameters_still_sample_the_favourite(params):
+    """Values that overflow fp32 (found by the API fuzzer) pick among the top tokens, never crash."""
+    logits = torch.tensor([[3.0, 5.0, -1.0, 0.5, 4.0]])
+    tokens, _ = Sampler(0)(logits, [seq("a", params, n=8, prompt=[1, 4])])
+    assert set(tokens[0]) <= {1, 4}
+
+
 def test_fixed_seed_reproduces_whatever_the_batch():
     torch.manual_seed(0)
     logits = torch.randn(3, 50)
