@@ -52,6 +52,26 @@ def test_kernel_matches_reference_fp32(kernel, H, KVH, BS):
     assert (out - ref).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("H, KVH, D", [(4, 2, 32), (2, 1, 128), (4, 4, 24), (16, 1, 64), (2, 2, 16)],
+                         ids=["d32", "d128", "d24-scalar", "group16-scalar", "d16"])
+def test_kernel_matches_reference_other_shapes(kernel, H, KVH, D):
+    """Head dims and group sizes on the vectorized path and off it (the portable loop)."""
+    lens = [1, 15, 16, 40, 257]
+    q, k, v, t, n = build(len(lens), H, KVH, D, 16, lens, torch.float32, seed=D)
+    ref = reference(q, k, v, t, n)
+    assert (kernel(q, k, v, t, n, D ** -0.5) - ref).abs().max().item() < 1e-5
+
+
+def test_kernel_softmax_holds_at_extreme_scores(kernel):
+    """Scores far apart (one token dominates, others underflow to 0) stay finite and exact."""
+    lens = [33, 5]
+    q, k, v, t, n = build(2, 9, 3, 64, 16, lens, torch.float32, seed=7)
+    q = q * 40
+    ref = reference(q, k, v, t, n)
+    out = kernel(q, k, v, t, n, 64 ** -0.5)
+    assert torch.isfinite(out).all() and (out - ref).abs().max().item() < 1e-4
+
+
 def test_kernel_matches_reference_bf16(kernel):
     lens = [7, 100, 300]
     q, k, v, t, n = build(3, 9, 3, 64, 16, lens, torch.bfloat16)
