@@ -4,7 +4,8 @@ without it, and Hugging Face generate() on the same weights, in one run, with ra
     .venv/bin/python benchmarks/decode_vs_hf.py [--dtypes float32 bfloat16] [--lengths 32 128 256]
 
 For each context length L: prefill tokens/s of an L-token prompt, then the median time of each
-of the next --new-tokens decode steps (the context grows from L). Medians of --repeats runs.
+of the next --new-tokens decode steps (the context grows from L). Medians of --repeats runs,
+interleaved (kvserve, no cache, HF, kvserve, ...).
 Writes benchmarks/results/decode_vs_hf.json.
 """
 
@@ -56,9 +57,15 @@ def hf(model, prompt: list[int], new_tokens: int) -> tuple[float, float]:
     return prefill, (total - prefill) / new_tokens
 
 
-def median_of(fn, repeats: int) -> tuple[float, float]:
-    runs = [fn() for _ in range(repeats)]
-    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+def medians_interleaved(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
+    """Each repeat runs every contender once, in turn, so a slow spell on a shared machine
+    touches them alike; then the median per contender of (prefill s, s per decode step)."""
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            runs[name].append(fn())
+    return {name: (statistics.median(r[0] for r in rs), statistics.median(r[1] for r in rs))
+            for name, rs in runs.items()}
 
 
 def main() -> None:
@@ -66,7 +73,7 @@ def main() -> None:
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--lengths", nargs="+", type=int, default=[32, 128, 256])
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-hf", action="store_true")
     a = ap.parse_args()
     torch.manual_seed(0)
@@ -84,12 +91,11 @@ def main() -> None:
         for L in a.lengths:
             prompt = tokens[:L]
             row = {"dtype": dtype, "length": L}
-            for name, fn in (("cache", lambda: ours(loaded, dtype, prompt, a.new_tokens, True)),
-                             ("no_cache", lambda: ours(loaded, dtype, prompt, a.new_tokens, False)),
-                             ("hf", (lambda: hf(hf_model, prompt, a.new_tokens)) if hf_model else None)):
-                if fn is None:
-                    continue
-                prefill_s, step_s = median_of(fn, a.repeats)
+            fns = {"cache": lambda: ours(loaded, dtype, prompt, a.new_tokens, True),
+                   "no_cache": lambda: ours(loaded, dtype, prompt, a.new_tokens, False)}
+            if hf_model is not None:
+                fns["hf"] = lambda: hf(hf_model, prompt, a.new_tokens)
+            for name, (prefill_s, step_s) in medians_interleaved(fns, a.repeats).items():
                 row[name] = {"prefill_tok_s": L / prefill_s, "decode_tok_s": 1 / step_s,
                              "ms_per_token": 1000 * step_s}
             if "hf" in row:
