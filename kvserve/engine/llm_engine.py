@@ -24,6 +24,7 @@ from kvserve.kv.sizing import CachePlan, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
 from kvserve.request import Request, RequestStatus
+from kvserve.runner import host_memory
 from kvserve.runner.model_runner import ModelRunner
 from kvserve.sampling_params import SamplingParams
 
@@ -84,6 +85,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
                                  loaded.config.max_position_embeddings)
         dtype = getattr(torch, config.dtype)
+        if config.device == "cpu":
+            host_memory.keep_freed_memory()
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         self.model = build_model(loaded, dtype, config.device, self.max_model_len)
