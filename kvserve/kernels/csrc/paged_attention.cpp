@@ -25,6 +25,27 @@
 
 namespace {
 
+// Calls row(t, ptr) for each token t in [0, L), ptr pointing at its K (or V) row for KV head kh;
+// the block table is read once per block, not once per token.
+template <typename scalar_t, typename RowFn>
+inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t L, int64_t BS, int64_t KVH,
+                         int64_t kh, int64_t D, RowFn&& row) {
+  for (int64_t t0 = 0; t0 < L; t0 += BS) {
+    const scalar_t* block = cache + (table[t0 / BS] * BS * KVH + kh) * D;
+    const int64_t n = std::min(BS, L - t0);
+    for (int64_t i = 0; i < n; ++i) row(t0 + i, block + i * KVH * D);
+  }
+}
+
+// The G query heads of sequence b that share KV head kh, as fp32 times the softmax scale:
+// qf [G, D].
+template <typename scalar_t>
+inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, int64_t G, int64_t D,
+                           float scale, float* qf) {
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
+}
+
 template <typename scalar_t>
 void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* tables,
                  const int64_t* ctx_lens, scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
@@ -35,13 +56,10 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kh = idx % KVH, L = ctx_lens[b];
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
+      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       scores.assign(G * L, 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      for (int64_t t = 0; t < L; ++t) {
-        const scalar_t* k = kc + ((table[t / BS] * BS + t % BS) * KVH + kh) * D;
+      for_each_row(kc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* k) {
         for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(k[d]);
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
@@ -50,7 +68,7 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
           scores[g * L + t] = s;
           row_max[g] = std::max(row_max[g], s);
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float sum = 0.f;
         for (int64_t t = 0; t < L; ++t) {
@@ -61,15 +79,14 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
         row_sum[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t = 0; t < L; ++t) {
-        const scalar_t* v = vc + ((table[t / BS] * BS + t % BS) * KVH + kh) * D;
+      for_each_row(vc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* v) {
         for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(v[d]);
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float* a = acc.data() + g * D;
           for (int64_t d = 0; d < D; ++d) a[d] += p * kf[d];
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g)
         for (int64_t d = 0; d < D; ++d)
           out[(b * H + kh * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] / row_sum[g]);
@@ -79,10 +96,10 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
 
 
 #if defined(__AVX512F__)
-// The same computation with AVX-512 when head_dim is a multiple of 16: a K/V row is D/16
+// The same computation with AVX-512 when head_dim is 16, 32, 64 or 128: a K/V row is D/16
 // vectors (bf16 widened to fp32 by a shift), each query head's dot product is D/16 FMAs and one
-// horizontal sum, the exponentials are evaluated 16 at a time, and tokens are walked block by
-// block so no division runs per token. Same two passes, same fp32 arithmetic up to summation order.
+// horizontal sum, and the exponentials are evaluated 16 at a time. Same two passes, same fp32
+// arithmetic up to summation order.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -116,31 +133,24 @@ void decode_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
   constexpr int64_t D = NV * 16;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores;
+    std::vector<float> qf(G * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / KVH, kh = idx % KVH, L = ctx_lens[b];
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
+      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       const int64_t Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
       // pass 1: scores
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const scalar_t* kb = kc + (table[t0 / BS] * BS * KVH + kh) * D;
-        const int64_t n = std::min(BS, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* k = kb + i * KVH * D;
-          __m512 kv[NV];
-          for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + g * D;
-            __m512 s = _mm512_mul_ps(load16(qg), kv[0]);
-            for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(load16(qg + 16 * j), kv[j], s);
-            scores[g * Lp + t0 + i] = _mm512_reduce_add_ps(s);
-          }
+      for_each_row(kc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* k) {
+        __m512 kv[NV];
+        for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + g * D;
+          __m512 s = _mm512_mul_ps(load16(qg), kv[0]);
+          for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(load16(qg + 16 * j), kv[j], s);
+          scores[g * Lp + t] = _mm512_reduce_add_ps(s);
         }
-      }
+      });
       // softmax numerators, 16 at a time; the padding gets -inf and so weight 0
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * Lp;
@@ -161,19 +171,14 @@ void decode_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
       __m512 o[8][NV];  // G <= 8 on this path
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const scalar_t* vb = vc + (table[t0 / BS] * BS * KVH + kh) * D;
-        const int64_t n = std::min(BS, L - t0);
-        for (int64_t i = 0; i < n; ++i) {
-          const scalar_t* v = vb + i * KVH * D;
-          __m512 vv[NV];
-          for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512 p = _mm512_set1_ps(scores[g * Lp + t0 + i]);
-            for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
-          }
+      for_each_row(vc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* v) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * Lp + t]);
+          for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
         }
-      }
+      });
       for (int64_t g = 0; g < G; ++g) {
         float tmp[D];
         for (int j = 0; j < NV; ++j) _mm512_storeu_ps(tmp + 16 * j, o[g][j]);
