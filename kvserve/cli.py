@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import DTYPE_BYTES, canonical_dtype
+from kvserve.config import DTYPE_BYTES, KERNEL_BACKENDS, canonical_dtype
 
 
 class UserError(Exception):
@@ -42,9 +42,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
     g.add_argument("--swap-space", type=float, default=1 << 30, help="bytes of CPU swap for preemption")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", choices=["auto", "torch", "cpu-kernel"], default="auto",
+    g.add_argument("--attention-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="decode attention: the compiled CPU kernel (auto, where it builds) or torch")
-    g.add_argument("--linear-backend", choices=["auto", "torch", "cpu-kernel"], default="auto",
+    g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
                         "has AVX512-BF16) or torch")
 

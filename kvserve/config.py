@@ -20,6 +20,7 @@ DTYPE_ALIASES = {
     "float8": "fp8", "fp8_e4m3": "fp8",
 }
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
 QUANT_SCALE_BYTES = {"int8": 4, "int4": 4}  # per K or V head vector of one token
 
 
@@ -173,7 +174,7 @@ class EngineConfig:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         for name in ("attention_backend", "linear_backend"):
-            if getattr(self, name) not in ("auto", "torch", "cpu-kernel"):
+            if getattr(self, name) not in KERNEL_BACKENDS:
                 raise ValueError(f"{name.replace('_', ' ')} must be auto, torch or cpu-kernel, "
                                  f"got {getattr(self, name)!r}")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

@@ -148,12 +148,12 @@ class ModelRunner:
         length = num_blocks * slots_per_block
         meta.decode_block_tables = self._tensor(tables)
         meta.decode_slots_per_block = slots_per_block
-        meta.decode_context_lens = self._tensor(ctx)
+        meta.decode_context_lens = lens = self._tensor(ctx)
         meta.decode_kernel = self.decode_kernel
         if self.decode_kernel is not None:
             return  # the kernel reads each context's exact length: no padding mask
         positions = torch.arange(length, device=self.device)
-        past_end = positions.unsqueeze(0) >= self._tensor(ctx).unsqueeze(1)
+        past_end = positions.unsqueeze(0) >= lens.unsqueeze(1)
         mask = torch.zeros(len(ctx), 1, 1, length, dtype=self.model.model.embed_tokens.weight.dtype,
                            device=self.device)
         meta.decode_mask = mask.masked_fill_(past_end.view(len(ctx), 1, 1, length), float("-inf"))
