@@ -21,7 +21,7 @@ import torch
 
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.registry import default_model_path, load_weights
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 def ours(loaded, dtype: str, prompt: list[int], new_tokens: int, use_cache: bool) -> tuple[float, float]:

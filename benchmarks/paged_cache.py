@@ -29,8 +29,8 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput
 from kvserve.core.scheduler import Scheduler
 from kvserve.models.registry import KNOWN_CONFIGS
-from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
 
 
 def memory_run(layout: str, budget: int, max_model_len: int, seed: int) -> dict:
@@ -85,7 +85,7 @@ def prefix_run(loaded, caching: bool) -> dict:
             "median_ttft_s": statistics.median(ttfts), "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs.values()),
             "prompt_tokens_computed": engine.num_prompt_tokens_computed,
             "cached_tokens": sum(o.num_cached_tokens for o in outs.values()),
-            "prefix_hit_rate": engine.stats().prefix_hit_rate,
+            "prefix_hit_rate": engine.stats().scheduler.prefix_hit_rate,
             "texts": [outs[str(i)].outputs[0].text for i in range(32)]}
 
 

@@ -1,6 +1,6 @@
 """kvserve: an LLM inference and serving engine built around its KV cache."""
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["SamplingParams", "LLM", "LLMEngine", "__version__"]

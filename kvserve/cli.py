@@ -12,59 +12,12 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import DTYPE_BYTES, KERNEL_BACKENDS, canonical_dtype
+from kvserve.config import DTYPE_BYTES, canonical_dtype
+from kvserve.engine.args import add_engine_args, engine_options, make_engine, options_from
 
 
 class UserError(Exception):
     """A mistake in what the user asked for; printed as one line."""
-
-
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model and cache")
-    g.add_argument("--model", default="SmolLM2-135M-Instruct",
-                   help="GGUF file, llama2.c checkpoint or directory, Hugging Face directory or hub id")
-    g.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
-    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    g.add_argument("--kv-dtype", default="auto", help="cache dtype (auto: the model dtype)")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=float, default=None,
-                   help="bytes for the KV cache, or a fraction (0, 1] of free device memory")
-    g.add_argument("--no-prefix-caching", action="store_true")
-    g.add_argument("--no-cache", action="store_true", help="recompute every token every step (reference)")
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-prefill-chunk", type=int, default=None)
-    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
-    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
-    g.add_argument("--swap-space", type=float, default=1 << 30, help="bytes of CPU swap for preemption")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="decode attention: the compiled CPU kernel (auto, where it builds) or torch")
-    g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
-                        "has AVX512-BF16) or torch")
-
-
-def engine_options(a: argparse.Namespace) -> dict[str, Any]:
-    opts: dict[str, Any] = dict(
-        tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_dtype=a.kv_dtype,
-        max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
-        num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,
-        use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
-        policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
-        swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend,
-        linear_backend=a.linear_backend)
-    if a.kv_cache_memory is not None:
-        if 0 < a.kv_cache_memory <= 1:
-            opts["kv_cache_memory_fraction"] = a.kv_cache_memory
-        else:
-            opts["kv_cache_memory"] = int(a.kv_cache_memory)
-    return opts
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -84,7 +37,7 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def sampling_params(a: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.core.sampling_params import SamplingParams
     return SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
@@ -93,15 +46,14 @@ def sampling_params(a: argparse.Namespace):  # type: ignore[no-untyped-def]
         stop=tuple(a.stop), ignore_eos=a.ignore_eos)
 
 
-def make_engine(a: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from kvserve.engine.llm_engine import LLMEngine
-    return LLMEngine.from_options(a.model, **engine_options(a))
+def engine_from(a: argparse.Namespace):  # type: ignore[no-untyped-def]
+    return make_engine(a.model, **engine_options(a))
 
 
 # ---- generate ----
 def cmd_generate(a: argparse.Namespace) -> int:
     params = sampling_params(a)
-    engine = make_engine(a)
+    engine = engine_from(a)
     prompt: Any = a.prompt
     if a.chat:
         if engine.tokenizer is None or not engine.tokenizer.chat_template:
@@ -146,7 +98,7 @@ def generate_report(out: Any, elapsed: float, engine: Any) -> dict[str, Any]:
 # ---- chat ----
 def cmd_chat(a: argparse.Namespace) -> int:
     params = sampling_params(a)
-    engine = make_engine(a)
+    engine = engine_from(a)
     if engine.tokenizer is None or not engine.tokenizer.chat_template:
         raise UserError(f"model {a.model!r} has no chat template")
     messages: list[dict[str, str]] = []
@@ -239,15 +191,17 @@ def _human(n: float) -> str:
 # ---- serve / bench ----
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvserve.server.app import serve
-    return serve(a)
+    from kvserve.server.args import ServeOptions
+    return serve(a.model, engine_options(a), options_from(ServeOptions, a))
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    from kvserve.bench.args import ServeBenchOptions, ThroughputOptions
     if a.bench == "throughput":
         from kvserve.bench.throughput import run_throughput
-        return run_throughput(a)
+        return run_throughput(a.model, engine_options(a), options_from(ThroughputOptions, a))
     from kvserve.bench.serve import run_serve_bench
-    return run_serve_bench(a)
+    return run_serve_bench(options_from(ServeBenchOptions, a))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -53,7 +53,7 @@ def make_llm(loaded: Any, **options: Any):
 
 
 def greedy(max_tokens: int = 16, **kw: Any):
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.core.sampling_params import SamplingParams
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
 
 

@@ -7,7 +7,6 @@ Requests stream (/v1/completions, stream=true, usage included); arrivals are Poi
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import random
@@ -15,6 +14,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from kvserve.bench.args import ServeBenchOptions
 
 WORDS = ("the cache keeps keys and values of every token so each new step reads them once "
          "instead of recomputing the whole sequence blocks tables prefix hits share memory").split()
@@ -60,7 +61,7 @@ async def one(client: Any, url: str, headers: dict[str, str], body: dict[str, An
     return r
 
 
-async def run(a: argparse.Namespace) -> dict[str, Any]:
+async def run(a: ServeBenchOptions) -> dict[str, Any]:
     import httpx
     rng = random.Random(a.bench_seed)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
@@ -94,7 +95,7 @@ def _ms(xs: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(ms), "median": statistics.median(ms), "p99": percentile(ms, 99)}
 
 
-def summarize(results: list[Result], duration: float, a: argparse.Namespace) -> dict[str, Any]:
+def summarize(results: list[Result], duration: float, a: ServeBenchOptions) -> dict[str, Any]:
     ok = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in ok)
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.ttft is not None and r.output_tokens > 1]
@@ -132,7 +133,7 @@ def print_summary(s: dict[str, Any]) -> None:
     print("=" * 50)
 
 
-def run_serve_bench(a: argparse.Namespace) -> int:
+def run_serve_bench(a: ServeBenchOptions) -> int:
     summary = asyncio.run(run(a))
     print_summary(summary)
     if a.output_json:

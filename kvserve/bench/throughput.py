@@ -4,14 +4,15 @@ and in the same run Hugging Face generate() over the same requests in static bat
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
+
+from kvserve.bench.args import ThroughputOptions
 
 
 @dataclass
@@ -62,7 +63,7 @@ def _stats(xs: list[float]) -> dict[str, float]:
 
 
 def run_kvserve(engine: Any, w: Workload) -> dict[str, Any]:
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.core.sampling_params import SamplingParams
     start = time.monotonic()
     ids = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                               arrival_time=start) for p, n in zip(w.prompts, w.output_lens)]
@@ -77,7 +78,7 @@ def run_kvserve(engine: Any, w: Workload) -> dict[str, Any]:
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     tpots = [t for o in outs if (t := o.metrics.tpot(len(o.outputs[0].token_ids))) is not None]
     r = summarize(elapsed, w, ttfts, tpots)
-    r["preemptions"] = engine.stats().num_preemptions
+    r["preemptions"] = engine.stats().scheduler.num_preemptions
     return r
 
 
@@ -113,30 +114,31 @@ def load_hf_model(model_path: str, dtype: str) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
 
 
-def run_throughput(a: argparse.Namespace) -> int:
-    from kvserve.cli import make_engine
-    engine = make_engine(a)
-    w = make_workload(a.num_prompts, engine.model_config.vocab_size, (a.input_len_min, a.input_len_max),
-                      (a.output_len_min, a.output_len_max), a.bench_seed)
-    print(f"workload: {a.num_prompts} requests, {w.num_prompt_tokens} prompt tokens, "
-          f"{w.num_output_tokens} output tokens (seed {a.bench_seed}); model {a.model}, {a.dtype}, "
-          f"max_num_seqs {a.max_num_seqs}")
+def run_throughput(model: str, engine_options: dict[str, Any], o: ThroughputOptions) -> int:
+    from kvserve.engine.args import make_engine
+    engine = make_engine(model, **engine_options)
+    w = make_workload(o.num_prompts, engine.model_config.vocab_size, (o.input_len_min, o.input_len_max),
+                      (o.output_len_min, o.output_len_max), o.bench_seed)
+    max_num_seqs = engine.config.scheduler.max_num_seqs
+    print(f"workload: {o.num_prompts} requests, {w.num_prompt_tokens} prompt tokens, "
+          f"{w.num_output_tokens} output tokens (seed {o.bench_seed}); model {model}, {engine.config.dtype}, "
+          f"max_num_seqs {max_num_seqs}")
     warm = make_workload(2, engine.model_config.vocab_size, (8, 8), (4, 4), 1)
     run_kvserve(engine, warm)
     ours = run_kvserve(engine, w)
-    result: dict[str, Any] = {"workload": vars(a) | {"func": None}, "kvserve": ours}
+    result: dict[str, Any] = {"workload": {"model": model, **engine_options, **asdict(o)}, "kvserve": ours}
     _print("kvserve", ours)
-    if not a.no_hf:
-        hf_model = load_hf_model(a.model, a.dtype)
-        batch = a.hf_batch_size or a.max_num_seqs
+    if not o.no_hf:
+        hf_model = load_hf_model(model, engine.config.dtype)
+        batch = o.hf_batch_size or max_num_seqs
         run_hf(hf_model, warm, 2, 0)
         theirs = run_hf(hf_model, w, batch, 0)
         _print(f"HF generate (static batch {batch})", theirs)
         result["hf"] = theirs
         result["ratio_output_tokens_per_s"] = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
         print(f"kvserve / HF output tokens/s: {result['ratio_output_tokens_per_s']:.2f}x")
-    if a.output_json:
-        with open(a.output_json, "w") as f:
+    if o.output_json:
+        with open(o.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
     return 0
 

@@ -15,7 +15,7 @@ from typing import Sequence
 from kvserve.core.block_hash import BlockHash, hash_full_blocks, root_hash
 from kvserve.core.block_math import block_offset, num_blocks_for, num_full_blocks
 from kvserve.core.block_pool import BlockPool
-from kvserve.request import Request
+from kvserve.core.request import Request
 
 
 @dataclass

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.core.kv_cache_manager import BlockCopies
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
-from kvserve.request import Request, RequestStatus
+from kvserve.core.request import Request, RequestStatus
 
 PolicyKey = tuple[int, float, int]
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from kvserve.engine.llm_engine import LLMEngine, Prompt, engine_config
+from kvserve.engine.args import engine_config
+from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.models.loaders.base import LoadedModel
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 class LLM:

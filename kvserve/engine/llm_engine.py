@@ -8,25 +8,27 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvserve.config import CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import EngineConfig
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.outputs import SchedulerStats
 from kvserve.core.scheduler import Scheduler
+from kvserve.engine.args import engine_config
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.cache import KVCache
 from kvserve.kv.sizing import CachePlan, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
-from kvserve.request import Request, RequestStatus
+from kvserve.core.request import Request, RequestStatus
 from kvserve.runner import host_memory
 from kvserve.runner.model_runner import ModelRunner
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
 
@@ -39,39 +41,15 @@ class QueueFullError(RuntimeError):
 
 @dataclass
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_preempted_waiting: int
-    num_preemptions: int
-    kv_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
+    """The scheduler's figures and what only the engine knows (steps, tokens, block sizes)."""
+
+    scheduler: SchedulerStats
     block_size: int
     block_bytes: int
-    prefix_hit_rate: float
-    fragmentation_slots: int
     num_steps: int
     num_batched_tokens_last_step: int
     num_generated_tokens: int
     num_prompt_tokens_computed: int
-
-
-def engine_config(model: str = "SmolLM2-135M-Instruct", **options: Any) -> EngineConfig:
-    """Flat keyword options (as the CLI and `LLM(...)` take them) -> the config tree."""
-    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
-    targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig}
-    aliases = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
-               "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes"}
-    for key, value in options.items():
-        key = aliases.get(key, key)
-        owner = next((name for name, cls in targets.items()
-                      if key in {f.name for f in fields(cls)}), None)
-        if owner is None:
-            raise TypeError(f"unknown engine option {key!r}")
-        parts[owner][key] = value
-    return EngineConfig(model=model, cache=CacheConfig(**parts["cache"]),
-                        scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])
 
 
 class LLMEngine:
@@ -216,12 +194,9 @@ class LLMEngine:
 
     # ---- stats ----
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
-        return EngineStats(
-            s.num_running, s.num_waiting, s.num_preempted_waiting, s.num_preemptions, s.kv_usage,
-            s.num_blocks, s.num_free_blocks, s.num_cached_blocks, self.plan.block_size,
-            self.plan.block_bytes, s.prefix_hit_rate, s.fragmentation_slots, self.num_steps,
-            self._last_step_tokens, self.num_generated_tokens, self.num_prompt_tokens_computed)
+        return EngineStats(self.scheduler.stats(), self.plan.block_size, self.plan.block_bytes,
+                           self.num_steps, self._last_step_tokens, self.num_generated_tokens,
+                           self.num_prompt_tokens_computed)
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s
@@ -229,10 +204,10 @@ class LLMEngine:
         if interval is None or now - self._last_log < interval:
             return
         self._last_log = now
-        s = self.stats()
+        s = self.scheduler.stats()
         logger.info("running %d | waiting %d | preempted %d | kv usage %.1f%% | prefix hit %.1f%% | "
                     "tokens/step %d", s.num_running, s.num_waiting, s.num_preemptions,
-                    100 * s.kv_usage, 100 * s.prefix_hit_rate, s.num_batched_tokens_last_step)
+                    100 * s.kv_usage, 100 * s.prefix_hit_rate, self._last_step_tokens)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
 from kvserve.tokenizer.base import Tokenizer
 
 

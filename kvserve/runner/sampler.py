@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from kvserve.core.outputs import ScheduledSequence
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],

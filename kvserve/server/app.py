@@ -8,7 +8,6 @@ oversized body, 503 with Retry-After when the waiting queue is full.
 
 from __future__ import annotations
 
-import argparse
 import hmac
 import json
 import logging
@@ -24,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.args import ServeOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -269,23 +269,21 @@ class _Formatter:
                 "top_logprobs": [{tok(k): v for k, v in r.items()} for r in rows], "text_offset": []}
 
 
-def serve(a: argparse.Namespace) -> int:
+def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     import uvicorn
 
-    from kvserve.cli import engine_options
     from kvserve.config import env_api_key
-    opts = engine_options(a)
-    opts["max_waiting"] = a.max_waiting
-    opts["log_stats_interval_s"] = a.log_stats_interval
+    from kvserve.engine.args import make_engine
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine.from_options(a.model, **opts)
-    name = a.served_model_name or _default_name(a.model)
-    api_key = a.api_key or env_api_key()
-    app = create_app(engine, name, api_key, a.max_body_bytes)
-    logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, a.host, a.port,
+    engine = make_engine(model, **engine_options, max_waiting=o.max_waiting,
+                         log_stats_interval_s=o.log_stats_interval)
+    name = o.served_model_name or _default_name(model)
+    api_key = o.api_key or env_api_key()
+    app = create_app(engine, name, api_key, o.max_body_bytes)
+    logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, o.host, o.port,
                 engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
-    config = uvicorn.Config(app, host=a.host, port=a.port, log_level="info",
-                            timeout_graceful_shutdown=int(a.shutdown_timeout))
+    config = uvicorn.Config(app, host=o.host, port=o.port, log_level="info",
+                            timeout_graceful_shutdown=int(o.shutdown_timeout))
     _GracefulServer(config).run()
     return 0
 

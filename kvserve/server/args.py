@@ -1,19 +1,34 @@
-"""Arguments of `kvserve serve`."""
+"""Options of `kvserve serve`: the command line's arguments and the typed options they become."""
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: Optional[str] = None
+    api_key: Optional[str] = None
+    max_waiting: int = 256
+    max_body_bytes: int = 1 << 20
+    shutdown_timeout: float = 30.0
+    log_stats_interval: float = 10.0
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
+    d = ServeOptions()
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="bind address (loopback by default)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--host", default=d.host, help="bind address (loopback by default)")
+    g.add_argument("--port", type=int, default=d.port)
     g.add_argument("--served-model-name", default=None, help="name clients use (default: the model's)")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' "
                    "(or set KVSERVE_API_KEY)")
-    g.add_argument("--max-waiting", type=int, default=256, help="queue bound; beyond it, 503")
-    g.add_argument("--max-body-bytes", type=int, default=1 << 20)
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--max-waiting", type=int, default=d.max_waiting, help="queue bound; beyond it, 503")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
+    g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
-    g.add_argument("--log-stats-interval", type=float, default=10.0)
+    g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval)

@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 
 from kvserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 @dataclass

@@ -19,7 +19,7 @@ class _EngineCollector(Collector):
         self.stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        s = self.stats()
+        s = self.stats().scheduler
         yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.num_running)
         yield _gauge("kvserve_num_requests_waiting", "Requests waiting (preempted ones included)", s.num_waiting)
         yield _gauge("kvserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)

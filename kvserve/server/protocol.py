@@ -6,7 +6,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 8

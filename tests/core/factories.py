@@ -9,8 +9,8 @@ from kvserve.config import SchedulerConfig
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.scheduler import Scheduler
-from kvserve.request import Request
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.request import Request
+from kvserve.core.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

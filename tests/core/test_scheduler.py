@@ -1,4 +1,4 @@
-from kvserve.request import RequestStatus
+from kvserve.core.request import RequestStatus
 from tests.core.factories import fake_step, make_request, make_scheduler
 
 

@@ -6,7 +6,7 @@ import random
 import pytest
 
 from kvserve.engine.llm_engine import QueueFullError
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import greedy, make_engine
 
 WORDS = ("Once upon a time Lily Tom dog cat park ball sun tree happy sad big little "
@@ -58,7 +58,7 @@ def test_preemption_keeps_outputs_identical(stories, solo, mode):
                          max_num_batched_tokens=64, swap_space=1 << 22)
     outs = run_all(engine, prompts, [greedy(n, ignore_eos=True) for n in lengths])
     assert [o.outputs[0].token_ids for o in outs] == expected
-    stats = engine.stats()
+    stats = engine.stats().scheduler
     assert stats.num_preemptions > 0
     assert sum(o.metrics.num_preemptions for o in outs) == stats.num_preemptions
     if mode == "swap":

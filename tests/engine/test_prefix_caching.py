@@ -3,7 +3,7 @@ isolation by salt, dtype and model, and forks whose writes never reach the paren
 
 import pytest
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import greedy, make_engine, make_llm
 
 
@@ -38,7 +38,7 @@ def test_thousand_token_shared_prefix_is_computed_once(smollm2):
     assert outs["a"].num_cached_tokens == 0 and computed["a"] == len(prompts["a"])
     assert outs["b"].num_cached_tokens >= 992
     assert computed["b"] == len(prompts["b"]) - outs["b"].num_cached_tokens
-    assert engine.stats().prefix_hit_rate > 0.45
+    assert engine.stats().scheduler.prefix_hit_rate > 0.45
 
 
 def test_cache_salt_isolates_tenants(stories):
@@ -66,7 +66,7 @@ def test_other_kv_dtype_or_model_never_hits(stories):
     while a.has_unfinished():
         a.step()
     b.kv.pool = a.kv.pool  # the same blocks, seen from another namespace: lookups miss
-    from kvserve.request import Request
+    from kvserve.core.request import Request
     assert b.kv.find_cached_prefix(Request("p", prompt, greedy(1)))[1] == 0
     assert a.kv.find_cached_prefix(Request("q", prompt, greedy(1)))[1] == 48
     other_model = make_engine(stories, num_blocks=64)

@@ -3,7 +3,7 @@ import torch
 
 from kvserve.core.outputs import ScheduledSequence
 from kvserve.runner.sampler import Sampler, apply_penalties, filter_logits
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import make_llm
 
 

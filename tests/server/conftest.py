@@ -50,7 +50,7 @@ class RunningServer:
         """Until the engine has no request left (aborts are applied on the engine thread)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            s = self.app.state.async_engine.stats
+            s = self.app.state.async_engine.stats.scheduler
             if not self.engine.has_unfinished() and s.num_running == 0 and s.num_waiting == 0:
                 return
             time.sleep(0.02)

@@ -18,7 +18,7 @@ def bench(server, tmp_path, *extra: str) -> tuple[int, dict]:
 
 
 def test_bench_serve_counts_every_request_and_token(stories_server, tmp_path, capsys):
-    before = stories_server.engine.stats()
+    before = stories_server.engine.stats().scheduler
     rc, s = bench(stories_server, tmp_path, "--api-key", API_KEY, "--request-rate", "50", "--max-concurrency", "4")
     assert rc == 0 and s["successful_requests"] == 8 and s["failed_requests"] == 0
     assert s["total_output_tokens"] == 8 * 10  # ignore_eos: every request runs to max_tokens
@@ -32,7 +32,7 @@ def test_bench_serve_counts_every_request_and_token(stories_server, tmp_path, ca
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "Mean TTFT (ms):" in printed and "P99 ITL (ms):" in printed
     stories_server.wait_idle()
-    assert stories_server.engine.stats().num_free_blocks == before.num_free_blocks
+    assert stories_server.engine.stats().scheduler.num_free_blocks == before.num_free_blocks
 
 
 def test_bench_serve_reports_failures_and_exits_nonzero(stories_server, tmp_path, capsys):

@@ -5,7 +5,7 @@ import asyncio
 import openai
 import pytest
 
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import make_llm
 from tests.server.conftest import API_KEY
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.core.block_hash import BlockHash
-from kvserve.sampling_params import SamplingParams
+from kvserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -1,0 +1,93 @@
+"""Engine options, shared by every front end: the command line's arguments, the flat keyword
+options `LLM(...)` and `LLMEngine.from_options` take, and the config tree both turn into.
+
+    argparse Namespace --engine_options()--> {"block_size": 16, ...} --engine_config()--> EngineConfig
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+from typing import Any, Type, TypeVar
+
+from kvserve.config import KERNEL_BACKENDS, CacheConfig, EngineConfig, SchedulerConfig
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
+                  "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes"}
+T = TypeVar("T")
+
+
+def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
+    """Flat keyword options (as the CLI and `LLM(...)` take them) -> the config tree; an unknown
+    option is a TypeError naming it."""
+    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
+    targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig}
+    for key, value in options.items():
+        key = OPTION_ALIASES.get(key, key)
+        owner = next((name for name, cls in targets.items()
+                      if key in {f.name for f in fields(cls)}), None)
+        if owner is None or key in ("cache", "scheduler", "model"):
+            raise TypeError(f"unknown engine option {key!r}")
+        parts[owner][key] = value
+    return EngineConfig(model=model, cache=CacheConfig(**parts["cache"]),
+                        scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])
+
+
+def make_engine(model: str = DEFAULT_MODEL, **options: Any):  # type: ignore[no-untyped-def]
+    from kvserve.engine.llm_engine import LLMEngine
+    return LLMEngine(engine_config(model, **options))
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--model", default=DEFAULT_MODEL,
+                   help="GGUF file, llama2.c checkpoint or directory, Hugging Face directory or hub id")
+    g.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
+    g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--kv-dtype", default="auto", help="cache dtype (auto: the model dtype)")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory", type=float, default=None,
+                   help="bytes for the KV cache, or a fraction (0, 1] of free device memory")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--no-cache", action="store_true", help="recompute every token every step (reference)")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-prefill-chunk", type=int, default=None)
+    g.add_argument("--scheduling-policy", choices=["fcfs", "priority"], default="fcfs")
+    g.add_argument("--preemption-mode", choices=["recompute", "swap"], default="recompute")
+    g.add_argument("--swap-space", type=float, default=1 << 30, help="bytes of CPU swap for preemption")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="decode attention: the compiled CPU kernel (auto, where it builds) or torch")
+    g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
+                   help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
+                        "has AVX512-BF16) or torch")
+
+
+def engine_options(a: argparse.Namespace) -> dict[str, Any]:
+    """The parsed engine arguments as the flat options `engine_config` takes (the model apart)."""
+    opts: dict[str, Any] = dict(
+        tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_dtype=a.kv_dtype,
+        max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
+        num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,
+        use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
+        policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
+        swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend,
+        linear_backend=a.linear_backend)
+    if a.kv_cache_memory is not None:
+        if 0 < a.kv_cache_memory <= 1:
+            opts["kv_cache_memory_fraction"] = a.kv_cache_memory
+        else:
+            opts["kv_cache_memory"] = int(a.kv_cache_memory)
+    return opts
+
+
+def options_from(cls: Type[T], a: argparse.Namespace) -> T:
+    """A typed options dataclass from the parsed arguments of the same names."""
+    return cls(**{f.name: getattr(a, f.name) for f in fields(cls)})  # type: ignore[arg-type]
