@@ -1,7 +1,8 @@
 """One config tree of frozen dataclasses, validated on construction.
 
 Dtypes are named by strings ("float32", "bfloat16", ...) so this module and `core/` never import
-torch. Environment variables are read here and nowhere else (`env_api_key`).
+torch. Environment variables are read here and nowhere else (`env_api_key`, `env_kernel_mode`,
+`env_cxx`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,24 @@ def canonical_dtype(name: str) -> str:
 
 def env_api_key() -> Optional[str]:
     return os.environ.get("KVSERVE_API_KEY") or None
+
+
+KERNEL_MODES = ("auto", "off", "portable")
+
+
+def env_kernel_mode() -> str:
+    """KVSERVE_KERNELS: "auto" (default; each compiled kernel takes the best path this CPU runs),
+    "off" (no compiled kernel; the torch paths run) or "portable" (compiled kernels, portable paths
+    only)."""
+    mode = os.environ.get("KVSERVE_KERNELS", "auto").strip().lower() or "auto"
+    if mode not in KERNEL_MODES:
+        raise ValueError(f"KVSERVE_KERNELS must be one of {KERNEL_MODES}, got {mode!r}")
+    return mode
+
+
+def env_cxx() -> str:
+    """The C++ compiler torch's extension builder uses (CXX, else c++)."""
+    return os.environ.get("CXX", "c++")
 
 
 @dataclass(frozen=True)

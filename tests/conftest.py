@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 
@@ -37,6 +37,27 @@ def smollm2():
 def smollm2_path() -> str:
     from kvserve.models.registry import default_model_path
     return default_model_path()
+
+
+def compiled_kernel(name: str, isa: Optional[str] = None) -> Any:
+    """The compiled module of a kernel at an instruction-set level; skips (with the reason) where
+    compiled kernels are turned off or there is no C++ compiler, fails where one should build."""
+    from kvserve import kernels
+    from kvserve.config import env_kernel_mode
+    if env_kernel_mode() == "off":
+        pytest.skip("compiled kernels are turned off (KVSERVE_KERNELS=off)")
+    if not kernels.has_compiler():
+        pytest.skip("no C++ compiler: the compiled kernels cannot be built here")
+    module = kernels.load(name, isa)
+    if module is None:
+        pytest.fail(f"kernel {name} did not build: {kernels.failure(name)}")
+    return module
+
+
+def kernel_isas(name: str) -> list[str]:
+    """Every level of a kernel this CPU runs (the portable one always): each is tested."""
+    from kvserve import kernels
+    return kernels.supported_isas(name)
 
 
 def make_engine(loaded: Any, **options: Any):

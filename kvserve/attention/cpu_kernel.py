@@ -10,8 +10,10 @@ import torch
 from kvserve import kernels
 
 
-def decode_fn() -> Optional[Callable[..., torch.Tensor]]:
-    module = kernels.load("paged_attention")
+def decode_fn(isa: Optional[str] = None) -> Optional[Callable[..., torch.Tensor]]:
+    """The kernel at level `isa` (default: the best this CPU runs), or None where it cannot be
+    built or compiled kernels are turned off."""
+    module = kernels.load("paged_attention", isa)
     return None if module is None else module.paged_decode
 
 

@@ -78,10 +78,8 @@ class ModelRunner:
 
     def _pick_linear_kernel(self, backend: str) -> None:
         fn = None
-        if backend != "torch" and self.device.type == "cpu" and self.model.lm_head.weight.dtype == torch.bfloat16:
-            fn = linear.few_row_bf16_kernel()
-            if fn is None and backend == "cpu-kernel":
-                raise ValueError(f"linear backend 'cpu-kernel' is unavailable: {linear.failure()}")
+        if self.device.type == "cpu" and self.model.lm_head.weight.dtype == torch.bfloat16:
+            fn = linear.kernel_for(backend)
         linear.use_few_row_kernel(self.model, fn)
 
     def apply_copies(self, copies: BlockCopies) -> None:

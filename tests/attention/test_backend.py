@@ -1,10 +1,11 @@
-"""The compiled decode kernel equals the torch reference on random paged caches."""
+"""The compiled decode kernel equals the torch reference on random paged caches, on every code
+path this CPU runs (the portable one everywhere)."""
 
 import pytest
 import torch
 
-from kvserve.attention import cpu_kernel
 from kvserve.attention.backend import AttentionMetadata, attention
+from tests.conftest import compiled_kernel, kernel_isas, make_engine
 
 
 def build(B, H, KVH, D, BS, lens, dtype, seed=0):
@@ -34,12 +35,11 @@ def reference(q, k_cache, v_cache, tables, lens):
     return attention(q, k_new, k_new, (k_cache, v_cache), meta)
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    fn = cpu_kernel.decode_fn()
-    if fn is None:
-        pytest.fail(f"the CPU kernel did not build: {cpu_kernel.failure()}")
-    return fn
+@pytest.fixture(scope="module", params=kernel_isas("paged_attention"))
+def kernel(request):
+    module = compiled_kernel("paged_attention", request.param)
+    assert module.isa() == request.param
+    return module.paged_decode
 
 
 @pytest.mark.parametrize("H, KVH", [(8, 8), (9, 3), (4, 1)])
@@ -81,6 +81,6 @@ def test_kernel_matches_reference_bf16(kernel):
 
 
 def test_torch_backend_can_be_forced(stories):
-    from tests.conftest import make_engine
+    compiled_kernel("paged_attention")
     assert make_engine(stories, attention_backend="torch").runner.decode_kernel is None
     assert make_engine(stories, attention_backend="cpu-kernel").runner.decode_kernel is not None

@@ -1,24 +1,25 @@
-"""The few-row bf16 linear kernel: the same numbers as an fp32-accumulated product rounded to
-bf16 once, for 1-8 rows, widths off the vector length, with and without bias; and a bf16 SmolLM2
-decoded through it is as close to fp32 as the torch path."""
+"""The few-row bf16 linear kernel, on every code path this CPU runs (the portable one everywhere):
+within one bf16 step of the exact product, for 1-8 rows, widths off the vector length, with and
+without bias; and a bf16 SmolLM2 decoded through it is as accurate as exact products rounded once."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kvserve.models import linear
-from tests.conftest import greedy, make_engine, run_collecting_logits
+from tests.conftest import compiled_kernel, greedy, kernel_isas, make_engine, run_collecting_logits
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    fn = linear.few_row_bf16_kernel()
-    if fn is None:
-        reason = linear.failure()
-        if reason and "AVX512-BF16" in reason:
-            pytest.skip(reason)
-        pytest.fail(f"the linear kernel did not build: {reason}")
-    return fn
+@pytest.fixture(scope="module", params=kernel_isas("linear_bf16"))
+def kernel(request):
+    module = compiled_kernel("linear_bf16", request.param)
+    assert module.isa() == request.param
+    return module.linear_bf16
+
+
+def exact_rounded_once(x, w, b):
+    """The reference product: exact (fp64) sums of bf16 products, rounded to bf16 once."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).to(torch.bfloat16)
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -37,8 +38,8 @@ def test_kernel_is_an_fp32_accumulated_product_rounded_once(kernel, rows, k, n, 
     got = kernel(x, w, b).double()
     # fp32 sums in another order may land on the neighbouring bf16 number, never further
     assert ((got - exact).abs() <= bf16_ulp(exact) + 1e-6).all()
-    torch_path = F.linear(x, w, b).double()
-    assert (got == torch_path).float().mean().item() > 0.95
+    # and lands on the exact product rounded once almost everywhere
+    assert (got == exact_rounded_once(x, w, b).double()).float().mean().item() > 0.95
 
 
 def test_kernel_reads_a_transposed_view_of_x(kernel):
@@ -66,24 +67,25 @@ def test_linear_module_uses_the_kernel_only_for_few_bf16_rows(kernel, monkeypatc
 
 
 @pytest.mark.slow
-def test_smollm2_bf16_decode_through_the_kernel_is_as_close_to_fp32_as_torch(smollm2, kernel):
-    """One decode step after each of 8 prompts (4 sequences a step: the kernel's rows), compared
-    with fp32 where bf16 and fp32 fed the same token. bf16 greedy paths may part at near-ties,
-    so the comparison is of error, not of tokens."""
+def test_smollm2_bf16_decode_through_the_kernel_is_as_accurate_as_exact_products(smollm2, kernel):
+    """A bf16 SmolLM2 decoding 4 sequences a step (the kernel's rows) through the kernel is as
+    close to the fp32 model as the same bf16 model whose few-row products are exact and rounded
+    once. Both references are fp32/fp64 math, so the bound holds on any CPU; only the linear
+    layers differ between the two bf16 runs."""
     ids = smollm2.tokenizer.encode("The cache keeps the keys and values of every token it has seen, so "
                                    "each new token costs a pass over the cache instead of the sequence.")
     prompts = [ids[:n] for n in range(6, 30, 3)]
     runs = {}
-    for name, opts in (("fp32", {}), ("torch", dict(dtype="bfloat16", linear_backend="torch")),
-                       ("kernel", dict(dtype="bfloat16", linear_backend="cpu-kernel"))):
-        engine = make_engine(smollm2, max_model_len=64, max_num_seqs=4, **opts)
-        assert (engine.model.lm_head.few_row_kernel is not None) == (name == "kernel")
-        out, logits = run_collecting_logits(engine, prompts, greedy(2, ignore_eos=True))
-        runs[name] = ([o.outputs[0].token_ids[0] for o in out], [torch.stack(v) for v in logits.values()])
+    for name, fn in (("fp32", None), ("exact", exact_rounded_once), ("kernel", kernel)):
+        engine = make_engine(smollm2, max_model_len=64, max_num_seqs=4,
+                             **({} if fn is None else dict(dtype="bfloat16", linear_backend="torch")))
+        if fn is not None:
+            linear.use_few_row_kernel(engine.model, fn)
+        out, logits = run_collecting_logits(engine, prompts, greedy(4, ignore_eos=True))
+        runs[name] = ([o.outputs[0].token_ids for o in out], [torch.stack(v) for v in logits.values()])
     error = {}
-    for name in ("torch", "kernel"):
-        same = [i for i, t in enumerate(runs[name][0]) if t == runs["fp32"][0][i]]
-        assert len(same) >= 6
-        diffs = [(runs[name][1][i][1] - runs["fp32"][1][i][1]).abs() for i in same]
+    for name in ("exact", "kernel"):
+        assert runs[name][0] == runs["fp32"][0]  # no near-tie among these prompts
+        diffs = [(a - b).abs() for a, b in zip(runs[name][1], runs["fp32"][1])]
         error[name] = (max(d.max().item() for d in diffs), sum(d.mean().item() for d in diffs) / len(diffs))
-    assert error["kernel"][0] < 1.0 and error["kernel"][1] <= 1.2 * error["torch"][1], error
+    assert error["kernel"][1] <= 1.25 * error["exact"][1] and error["kernel"][0] <= 1.5 * error["exact"][0], error

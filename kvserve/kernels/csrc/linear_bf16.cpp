@@ -6,11 +6,19 @@
 //
 // Every weight row is streamed from memory once and dotted with all M rows of x using the
 // AVX512-BF16 pair dot product (bf16 x bf16 products summed in fp32, as the GEMM does); the
-// fp32 sum is rounded to bf16 once. Rows of W are split over threads. Built only where the
-// compiler targets AVX512-BF16; `available()` says whether this build has it.
+// fp32 sum is rounded to bf16 once. Rows of W are split over threads.
+//
+// Two paths with the same arithmetic (bf16 products summed in fp32, rounded once): the
+// AVX512-BF16 one, and a portable loop for any x86-64 that widens bf16 to fp32 by a shift and
+// leaves vectorization to the compiler. The build decides which exists (kvserve/kernels builds
+// this file once per instruction-set level); `isa()` names the build.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+
+#include <cstring>
+#include <string>
+#include <vector>
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -72,18 +80,44 @@ void linear_rows(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias
     }
   });
 }
+#else
+inline float widen(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// The portable path: x widened to fp32 once, each weight row widened as it is read.
+void linear_portable(const uint16_t* x, const uint16_t* w, const c10::BFloat16* bias, c10::BFloat16* y,
+                     int64_t M, int64_t N, int64_t K) {
+  std::vector<float> xf(M * K);
+  for (int64_t i = 0; i < M * K; ++i) xf[i] = widen(x[i]);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> wf(K);
+    for (int64_t n = begin; n < end; ++n) {
+      for (int64_t k = 0; k < K; ++k) wf[k] = widen(w[n * K + k]);
+      const float b = bias ? static_cast<float>(bias[n]) : 0.f;
+      for (int64_t m = 0; m < M; ++m) {
+        const float* xm = xf.data() + m * K;
+        float sum = 0.f;
+        for (int64_t k = 0; k < K; ++k) sum += xm[k] * wf[k];
+        y[m * N + n] = c10::BFloat16(sum + b);
+      }
+    }
+  });
+}
 #endif
 
-bool available() {
+std::string isa() {
 #if defined(__AVX512BF16__)
-  return true;
+  return "avx512_bf16";
 #else
-  return false;
+  return "portable";
 #endif
 }
 
 torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(available(), "linear_bf16: this build has no AVX512-BF16");
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16 runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 inputs");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and W [N, K]");
@@ -99,10 +133,10 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     b = bc.data_ptr<c10::BFloat16>();
   }
   auto y = torch::empty({M, N}, x.options());
-#if defined(__AVX512BF16__)
   auto xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   auto yp = y.data_ptr<c10::BFloat16>();
+#if defined(__AVX512BF16__)
   switch (M) {
     case 1: linear_rows<1>(xp, wp, b, yp, N, K); break;
     case 2: linear_rows<2>(xp, wp, b, yp, N, K); break;
@@ -113,6 +147,8 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
     case 7: linear_rows<7>(xp, wp, b, yp, N, K); break;
     default: linear_rows<8>(xp, wp, b, yp, N, K); break;
   }
+#else
+  linear_portable(xp, wp, b, yp, M, N, K);
 #endif
   return y;
 }
@@ -120,6 +156,6 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("available", &available, "whether this build has the AVX512-BF16 path");
+  m.def("isa", &isa, "the instruction-set level this build was compiled for");
   m.def("linear_bf16", &linear_bf16, "bf16 x @ W^T (+ bias) for 1 to 8 rows of x (CPU)");
 }

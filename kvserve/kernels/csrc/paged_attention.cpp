@@ -8,6 +8,10 @@
 //
 // Work is split over (sequence, kv head) pairs; each pair streams its K and V rows once and
 // serves all G query heads of its group. Scores and accumulation are in fp32.
+//
+// Two paths: a portable loop for any shape and any x86-64, and an AVX-512 one for the common
+// head dims. The build decides which exist (kvserve/kernels builds this file once per
+// instruction-set level and loads the one the CPU runs); `isa()` names the build.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -20,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -234,8 +239,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   return out;
 }
 
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#else
+  return "portable";
+#endif
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction-set level this build was compiled for");
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU)");
 }
