@@ -1,9 +1,14 @@
 """BlockPool: every physical KV block, its reference count and its prefix-cache identity.
 
-Each block is exactly one of:
+Each of the `num_blocks` blocks (ids 0 .. num_blocks - 1) is exactly one of:
   free              ref_cnt 0, no hash          -> at the front of the free queue
   cached-evictable  ref_cnt 0, hash registered  -> in the free queue, least recently freed first
   referenced        ref_cnt > 0                 -> in one or more block tables, not in the queue
+
+One more block, the null block (id `num_blocks`), belongs to nobody: block tables hold it where a
+position's block was given back (a sliding window moved past it) and where a batch pads a short
+table. It is never handed out, hashed or counted, and the cache keeps it all zeros, so reading it
+through a padded table is harmless. A pool for swapped-out blocks has none.
 
 The free queue is an OrderedDict used as a doubly linked list: taking the head, appending to the
 tail and (on a prefix-cache hit) removing a block from the middle are all O(1). Taking a block
@@ -30,17 +35,23 @@ class Block:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, null_block: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
+        self.null_block_id: Optional[int] = num_blocks if null_block else None
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
 
     # ---- queries (never mutate) ----
+    @property
+    def num_physical_blocks(self) -> int:
+        """Blocks the cache tensors hold: the pool's blocks and the null block."""
+        return self.num_blocks + (self.null_block_id is not None)
+
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now: free plus cached-evictable."""
@@ -85,8 +96,11 @@ class BlockPool:
         return taken
 
     def ref(self, block_ids: Iterable[int]) -> None:
-        """One more block table points at each block (a prefix hit or a fork)."""
+        """One more block table points at each block (a prefix hit or a fork); the null block,
+        which tables may hold anywhere, is nobody's and is skipped."""
         for block_id in block_ids:
+            if block_id == self.null_block_id:
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt == 0:
                 del self._free_queue[block_id]
@@ -94,11 +108,14 @@ class BlockPool:
 
     def release(self, block_ids: Iterable[int]) -> None:
         """One block table fewer points at each block; a block reaching zero joins the queue.
+        The null block is skipped, as in `ref`.
 
         Callers pass a sequence's blocks tail first, so its last blocks are evicted before its
         first ones, which more requests are likely to share.
         """
         for block_id in block_ids:
+            if block_id == self.null_block_id:
+                continue
             block = self.blocks[block_id]
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"block {block_id} released more often than referenced")
@@ -117,6 +134,13 @@ class BlockPool:
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block_id
 
+    def forget_hash(self, block_id: int) -> None:
+        """Unregister a block that its only holder is about to overwrite (after a rollback)."""
+        block = self.blocks[block_id]
+        if block.block_hash is not None:
+            del self._cached[block.block_hash]
+            block.block_hash = block.parent_hash = block.token_ids = None
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached hash (e.g. after new weights are loaded)."""
         for block in self.blocks:
@@ -134,7 +158,8 @@ class BlockPool:
     def check_integrity(self, table_refs: Optional[Mapping[int, int]] = None) -> None:
         """Raise AssertionError unless every block is exactly one of free, cached-evictable or
         referenced, the hash map and the blocks agree, and (given the number of block-table
-        entries pointing at each block) every ref count equals its references."""
+        entries pointing at each block) every ref count equals its references. References to
+        the null block are allowed and not counted; it is never queued, hashed or referenced."""
         queued = set(self._free_queue)
         assert len(queued) == len(self._free_queue)
         for block in self.blocks:
@@ -147,6 +172,10 @@ class BlockPool:
                 refs = table_refs.get(block.block_id, 0)
                 assert block.ref_cnt == refs, \
                     f"block {block.block_id}: ref_cnt {block.ref_cnt} != {refs} table references"
+        assert self.null_block_id not in queued
+        if table_refs is not None:
+            unknown = set(table_refs) - set(range(self.num_blocks)) - {self.null_block_id}
+            assert not unknown, f"block tables point at blocks outside the pool: {sorted(unknown)}"
         for block_hash, block_id in self._cached.items():
             assert self.blocks[block_id].block_hash == block_hash
         assert self.num_free_blocks + self.num_used_blocks == self.num_blocks

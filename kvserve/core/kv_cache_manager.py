@@ -1,21 +1,26 @@
-"""KVCacheManager: block tables of every request, over one BlockPool (and a CPU pool for swap).
+"""KVCacheManager: every request's block tables (one per cache group) over one BlockPool, and a
+CPU pool for swap.
 
-The scheduler asks it three things: which prefix of a new request is already cached
-(`find_cached_prefix`), whether a request can grow by n tokens (`allocate_slots`, which also
-hashes blocks as they fill), and to let a request go (`free`, `swap_out`, `swap_in`).
-Copies it decides on (copy-on-write, swaps) are queued for the runner as (src, dst) block pairs.
+The scheduler asks it which prefix of a new request is already cached (`find_cached_prefix`),
+whether a request can grow by n tokens (`allocate_slots`, which also registers blocks as they
+fill), and to let a request go (`free`, `swap_out`, `swap_in`) or take tokens back (`trim`).
+Copies it decides on (copy-on-write, swaps) are queued for the runner as (src, dst) block pairs;
+`take_table_updates` hands the runner only the table entries that changed.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 from kvserve.core.block_hash import BlockHash, hash_full_blocks, root_hash
-from kvserve.core.block_math import block_offset, num_blocks_for, num_full_blocks
+from kvserve.core.block_math import num_blocks_for, num_full_blocks
 from kvserve.core.block_pool import BlockPool
+from kvserve.core.cache_group import CacheGroup, CacheGroupSpec, make_group
 from kvserve.core.request import Request
+
+TableUpdate = Optional[tuple[int, list[int]]]  # (first changed entry, entries from there on)
 
 
 @dataclass
@@ -30,27 +35,41 @@ class BlockCopies:
         return bool(self.swap_out or self.swap_in or self.copy_on_write)
 
 
+def single_group(num_layers: int) -> tuple[CacheGroupSpec, ...]:
+    """The layout of a model whose layers all attend to the whole sequence."""
+    return (CacheGroupSpec("full", tuple(range(num_layers))),)
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_cpu_blocks: int = 0, namespace: Sequence[object] = ()) -> None:
+                 num_cpu_blocks: int = 0, namespace: Sequence[object] = (),
+                 groups: Sequence[CacheGroupSpec] = (CacheGroupSpec("full", ()),)) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
-        self.cpu_pool = BlockPool(num_cpu_blocks, False) if num_cpu_blocks > 0 else None
+        self.cpu_pool = BlockPool(num_cpu_blocks, False, null_block=False) if num_cpu_blocks > 0 else None
+        self.groups: list[CacheGroup] = [make_group(i, s, self.pool, block_size) for i, s in enumerate(groups)]
         self.namespace = tuple(namespace)  # model id, dtype, kv dtype, adapter
-        self.req_blocks: dict[str, list[int]] = {}
-        self.swapped_blocks: dict[str, list[int]] = {}
+        self.swapped_blocks: dict[str, list[list[int]]] = {}  # per group
         self._num_hashed_blocks: dict[str, int] = {}
         self._copies = BlockCopies([], [], [])
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
 
     # ---- queries ----
-    def block_table(self, request_id: str) -> list[int]:
-        return self.req_blocks.get(request_id, [])
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        return self.groups[group].table(request_id)
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Pool blocks the request holds, over all groups (its cache footprint)."""
+        return sum(sum(1 for _ in g.held_blocks(request_id)) for g in self.groups)
 
     def num_reserved_slots(self, request_id: str) -> int:
-        return len(self.req_blocks.get(request_id, ())) * self.block_size
+        return self.num_held_blocks(request_id) * self.block_size
 
     @property
     def usage(self) -> float:
@@ -61,46 +80,58 @@ class KVCacheManager:
         q = self.num_prefix_query_tokens
         return self.num_prefix_hit_tokens / q if q else 0.0
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[int], int]:
-        """The longest run of cached blocks matching the request's first tokens, and the number
-        of tokens they cover. At most num_tokens - 1 tokens: the last must be computed for logits."""
+    def blocks_needed(self, num_tokens: int) -> int:
+        """Pool blocks one sequence of num_tokens holds at most, over all groups."""
+        return self.num_groups * num_blocks_for(num_tokens, self.block_size)
+
+    def find_cached_prefix(self, request: Request) -> tuple[list[list[int]], int]:
+        """The longest run of blocks cached in every group that matches the request's first
+        tokens (one list per group), and the tokens they cover. At most num_tokens - 1 tokens:
+        the last must be computed for its logits."""
+        no_hit: list[list[int]] = [[] for _ in self.groups]
         if not self.enable_caching:
-            return [], 0
+            return no_hit, 0
         self._extend_hashes(request)
         limit = num_full_blocks(request.num_tokens - 1, self.block_size)
         tokens, bs = request.all_token_ids, self.block_size
-        parent, hits = self._root(request), []
+        parent, hits = self._root(request), no_hit
         for i, block_hash in enumerate(request.block_hashes[:limit]):
-            block_id = self.pool.lookup(block_hash, parent, tuple(tokens[i * bs:(i + 1) * bs]))
-            if block_id is None:
+            found = [self.pool.lookup(_key(block_hash, g), _key(parent, g), tuple(tokens[i * bs:(i + 1) * bs]))
+                     for g in range(self.num_groups)]
+            if any(b is None for b in found):
                 break
-            hits.append(block_id)
+            for table, b in zip(hits, found):
+                table.append(b)  # type: ignore[arg-type]
             parent = block_hash
-        return hits, len(hits) * bs
+        return hits, len(hits[0]) * bs
 
     # ---- mutations ----
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       cached_blocks: Sequence[int] = ()) -> bool:
-        """Make room for num_new_tokens more tokens of the request (after its cached prefix,
-        given on admission). Returns False, changing nothing, when the pool is too small."""
-        rid, bs = request.request_id, self.block_size
-        blocks = self.req_blocks.setdefault(rid, [])
-        num_computed = request.num_computed_tokens + len(cached_blocks) * bs
-        num_new_blocks = num_blocks_for(num_computed + num_new_tokens, bs) - len(blocks) - len(cached_blocks)
-        needs_copy = self._needs_copy_on_write(blocks, num_computed, num_new_tokens)
-        num_revived = sum(1 for b in cached_blocks if self.pool.is_evictable(b))
-        if not self.pool.can_take(max(num_new_blocks, 0) + needs_copy + num_revived):
-            if not blocks:
-                del self.req_blocks[rid]
+                       cached_blocks: Optional[Sequence[list[int]]] = None) -> bool:
+        """Make room for num_new_tokens more tokens of the request (after its cached prefix, one
+        list per group, given on admission). Returns False, changing nothing, when the pool is
+        too small. Blocks whose tokens are all known are registered for prefix caching as they
+        are allocated: their K/V is written this step."""
+        rid = request.request_id
+        cached = cached_blocks or [[] for _ in self.groups]
+        num_computed = request.num_computed_tokens + len(cached[0]) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = 0
+        for g, blocks in zip(self.groups, cached):
+            needed += max(num_blocks_for(total, self.block_size) - len(g.table(rid)) - len(blocks), 0)
+            needed += g.needs_copy_on_write(rid, num_computed, num_new_tokens)
+            needed += sum(1 for b in blocks if self.pool.is_evictable(b))  # revived from the queue
+        if not self.pool.can_take(needed):
             return False
-        if cached_blocks:
-            self.pool.ref(cached_blocks)
-            blocks.extend(cached_blocks)
-            self._num_hashed_blocks[rid] = len(cached_blocks)
-        if needs_copy:
-            self._copy_last_block(blocks)
-        blocks.extend(self.pool.take(max(num_new_blocks, 0)))
-        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        for g, blocks in zip(self.groups, cached):
+            if blocks:
+                g.add_cached(rid, blocks)
+            if g.needs_copy_on_write(rid, num_computed, num_new_tokens):
+                self._copies.copy_on_write.append(g.copy_last_block(rid))
+            g.grow(rid, total)
+        if cached[0]:
+            self._num_hashed_blocks[rid] = len(cached[0])
+        self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
@@ -110,46 +141,64 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first; hashed ones stay cached until evicted."""
         rid = request.request_id
-        self.pool.release(reversed(self.req_blocks.pop(rid, [])))
+        for g in self.groups:
+            self.pool.release(reversed(g.pop(rid)))
         if self.cpu_pool is not None:
-            self.cpu_pool.release(self.swapped_blocks.pop(rid, []))
+            for blocks in self.swapped_blocks.pop(rid, []):
+                self.cpu_pool.release(blocks)
         self._num_hashed_blocks.pop(rid, None)
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Keep only the blocks num_tokens positions need (a rollback of proposed tokens or of
+        output): the rest go back to the pool, and no block past num_tokens stays registered
+        for this request."""
+        rid = request.request_id
+        for g in self.groups:
+            g.trim(rid, num_tokens)
+        if rid in self._num_hashed_blocks:
+            self._num_hashed_blocks[rid] = min(self._num_hashed_blocks[rid],
+                                               num_full_blocks(num_tokens, self.block_size))
+        del request.block_hashes[num_full_blocks(request.num_tokens, self.block_size):]
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent; the first write into a shared partial
         block copies it (copy-on-write)."""
-        blocks = list(self.req_blocks.get(parent.request_id, []))
-        self.pool.ref(blocks)
-        self.req_blocks[child.request_id] = blocks
+        for g in self.groups:
+            g.fork(parent.request_id, child.request_id)
         self._num_hashed_blocks[child.request_id] = self._num_hashed_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
     def swap_out(self, request: Request) -> bool:
         """Move the request's blocks to the CPU pool; False if it has no room."""
         rid = request.request_id
-        blocks = self.req_blocks.get(rid, [])
-        if self.cpu_pool is None or not self.cpu_pool.can_take(len(blocks)):
+        tables = [list(g.held_blocks(rid)) for g in self.groups]
+        if self.cpu_pool is None or not self.cpu_pool.can_take(sum(map(len, tables))):
             return False
-        cpu_blocks = self.cpu_pool.take(len(blocks))
-        self._copies.swap_out.extend(zip(blocks, cpu_blocks))
-        self.pool.release(reversed(self.req_blocks.pop(rid)))
+        swapped = []
+        for g, blocks in zip(self.groups, tables):
+            cpu_blocks = self.cpu_pool.take(len(blocks))
+            self._copies.swap_out.extend(zip(blocks, cpu_blocks))
+            self.pool.release(reversed(g.pop(rid)))
+            swapped.append(cpu_blocks)
         self._num_hashed_blocks.pop(rid, None)
-        self.swapped_blocks[rid] = cpu_blocks
+        self.swapped_blocks[rid] = swapped
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
         """Bring a swapped request back and make room for num_new_tokens; False, changing
         nothing, when the pool cannot hold it."""
         rid = request.request_id
-        cpu_blocks = self.swapped_blocks.get(rid, [])
-        total = num_blocks_for(request.num_computed_tokens + num_new_tokens, self.block_size)
-        if not self.pool.can_take(max(total, len(cpu_blocks))):
+        swapped = self.swapped_blocks.get(rid, [[] for _ in self.groups])
+        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        if not self.pool.can_take(max(total, sum(map(len, swapped)))):
             return False
         assert self.cpu_pool is not None
-        blocks = self.pool.take(len(cpu_blocks))
-        self._copies.swap_in.extend(zip(cpu_blocks, blocks))
-        self.cpu_pool.release(self.swapped_blocks.pop(rid))
-        self.req_blocks[rid] = blocks
+        for g, cpu_blocks in zip(self.groups, swapped):
+            blocks = self.pool.take(len(cpu_blocks))
+            self._copies.swap_in.extend(zip(cpu_blocks, blocks))
+            self.cpu_pool.release(cpu_blocks)
+            g.set_table(rid, blocks)
+        del self.swapped_blocks[rid]
         self._num_hashed_blocks[rid] = 0
         allocated = self.allocate_slots(request, num_new_tokens)
         assert allocated
@@ -159,15 +208,23 @@ class KVCacheManager:
         copies, self._copies = self._copies, BlockCopies([], [], [])
         return copies
 
+    def take_table_updates(self, request_id: str) -> tuple[TableUpdate, ...]:
+        """Per group, the table entries that changed since the last call (None: none did)."""
+        return tuple(g.take_update(request_id) for g in self.groups)
+
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
     # ---- invariants ----
     def check_integrity(self) -> None:
-        """Every ref count equals the block tables pointing at the block, in both pools."""
-        self.pool.check_integrity(Counter(b for t in self.req_blocks.values() for b in t))
+        """Every ref count equals the block tables pointing at the block, in both pools, and
+        no request is both resident and swapped out."""
+        refs = Counter(b for g in self.groups for t in g.tables.values() for b in t)
+        self.pool.check_integrity(refs)
         if self.cpu_pool is not None:
-            self.cpu_pool.check_integrity(Counter(b for t in self.swapped_blocks.values() for b in t))
+            self.cpu_pool.check_integrity(Counter(b for ts in self.swapped_blocks.values() for t in ts for b in t))
+        for g in self.groups:
+            assert not set(g.tables) & set(self.swapped_blocks), "a request both resident and swapped"
 
     # ---- helpers ----
     def _root(self, request: Request) -> BlockHash:
@@ -178,20 +235,9 @@ class KVCacheManager:
         parent = hashes[-1] if hashes else self._root(request)
         hashes.extend(hash_full_blocks(parent, request.all_token_ids, self.block_size, len(hashes)))
 
-    def _needs_copy_on_write(self, blocks: list[int], num_computed: int, num_new: int) -> bool:
-        """Writing into a partially filled last block that another table shares."""
-        return (num_new > 0 and bool(blocks) and block_offset(num_computed, self.block_size) != 0
-                and self.pool.blocks[blocks[-1]].ref_cnt > 1)
-
-    def _copy_last_block(self, blocks: list[int]) -> None:
-        shared = blocks[-1]
-        (private,) = self.pool.take(1)
-        self._copies.copy_on_write.append((shared, private))
-        self.pool.release([shared])
-        blocks[-1] = private
-
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
-        """Hash and register the blocks that num_tokens fill (their K/V is written this step)."""
+        """Register the blocks that num_tokens (known tokens whose K/V is written this step)
+        fill, in every group that holds them."""
         if not self.enable_caching:
             return
         rid, bs = request.request_id, self.block_size
@@ -199,10 +245,17 @@ class KVCacheManager:
         if end <= start:
             return
         self._extend_hashes(request)
-        blocks, tokens = self.req_blocks[rid], request.all_token_ids
+        tokens = request.all_token_ids
         for i in range(start, end):
             parent = request.block_hashes[i - 1] if i else self._root(request)
-            self.pool.cache(blocks[i], request.block_hashes[i], parent,
-                            tuple(tokens[i * bs:(i + 1) * bs]))
+            for g in self.groups:
+                block = g.table(rid)[i]
+                if block != self.pool.null_block_id:
+                    self.pool.cache(block, _key(request.block_hashes[i], g.index), _key(parent, g.index),
+                                    tuple(tokens[i * bs:(i + 1) * bs]))
         self._num_hashed_blocks[rid] = end
 
+
+def _key(block_hash: BlockHash, group: int) -> BlockHash:
+    """A block's name in the pool: its chain hash in one group (each group caches its own)."""
+    return block_hash + group.to_bytes(2, "little")

@@ -3,34 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
-from kvserve.core.kv_cache_manager import BlockCopies
+from kvserve.core.kv_cache_manager import BlockCopies, TableUpdate
 from kvserve.core.sampling_params import SamplingParams
 
 
 @dataclass
 class ScheduledSequence:
-    """One request's share of a step: its next tokens, starting at start_position."""
+    """One request's share of a step: its next known tokens from start_position on, then any
+    proposed tokens to verify. The runner keeps each request's block tables; `table_updates`
+    carries only the entries that changed (per cache group), so nothing here grows with the
+    context."""
 
     request_id: str
-    input_token_ids: list[int]
+    input_token_ids: list[int]  # known tokens (prompt or output) whose K/V this step computes
     start_position: int  # == the request's num_computed_tokens: RoPE position of the first input
-    block_table: list[int]
+    table_updates: tuple[TableUpdate, ...]
     sampling_params: SamplingParams
     num_samples: int  # 0: a partial prefill chunk, no token is sampled; n > 1: the fork point
-    prompt_token_ids: list[int] = field(default_factory=list)  # read by penalties
+    prompt_token_ids: list[int] = field(default_factory=list)  # the request's own lists, not copies
     output_token_ids: list[int] = field(default_factory=list)
     seed: Optional[int] = None
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals fed after the inputs
+    num_logit_rows: int = 0  # the last rows whose logits the runner returns (ModelRunnerOutput.logits)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.input_token_ids)
+        """Rows this sequence adds to the batch: its inputs and its proposals."""
+        return len(self.input_token_ids) + len(self.spec_token_ids)
 
     @property
     def context_len(self) -> int:
-        """Tokens this sequence attends to after the step: the cache plus its inputs."""
-        return self.start_position + len(self.input_token_ids)
+        """Tokens this sequence attends to after the step: the cache plus its rows."""
+        return self.start_position + self.num_tokens
 
 
 @dataclass
@@ -51,8 +57,19 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, list[int]]  # num_samples tokens per sampled request
+    """What a step produced, by request id.
+
+    sampled_token_ids: the tokens the request gains, in order: one, or with proposals the
+        accepted ones and one more (the first token that was not proposed).
+    forked_token_ids: at an n > 1 fork point, the first token of each further sample.
+    logits: the rows a sequence asked for (num_logit_rows), as the runner's tensor [rows, vocab].
+    """
+
+    sampled_token_ids: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    forked_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    forked_logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+    logits: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass

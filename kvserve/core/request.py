@@ -31,8 +31,13 @@ class RequestStatus(enum.Enum):
         return self.value in ("stop", "length", "abort", "error")
 
 
-@dataclass
+@dataclass(eq=False)  # identity: two requests are never "equal"
 class Request:
+    """One sequence. Its tokens live in `all_token_ids` (prompt, then output), kept as one list
+    that grows in place, so reading it costs nothing per step; `output_token_ids` is the output
+    part of it, kept beside it. Change the output only through `append_token` and
+    `truncate_output`, which keep the two in step."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -40,8 +45,8 @@ class Request:
     priority: int = 0  # lower values are served first, as in vLLM
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: Optional[str] = None
-    parent_id: Optional[str] = None  # set on the extra samples of an n > 1 request
-    sample_index: int = 0
+    group: Optional["RequestGroup"] = None  # set by RequestGroup; every request has one
+    sample_index: int = 0  # its place in the group
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -56,14 +61,20 @@ class Request:
     first_token_time: Optional[float] = None
     finish_time: Optional[float] = None
     block_hashes: list[BlockHash] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals the next step verifies
+    all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+        if self.group is None:
+            RequestGroup(self.request_id, [self])
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+    def group_id(self) -> str:
+        assert self.group is not None
+        return self.group.group_id
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -75,7 +86,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -87,8 +98,15 @@ class Request:
 
     def append_token(self, token_id: int, logprobs: Optional[dict[int, float]] = None) -> None:
         self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keep the first num_output_tokens output tokens (a rollback takes the rest back)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.output_logprobs[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]
 
     def check_stop(self, max_model_len: int) -> Optional[RequestStatus]:
         """The finished status the newest token causes, if any (stop strings are the engine's)."""
@@ -103,3 +121,27 @@ class Request:
         if self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+
+class RequestGroup:
+    """The requests that answer one user request: its n samples, or its beams. Members share
+    the prompt (and, through forks, blocks); the group is what a user aborts and what the
+    output names. A plain request is a group of one."""
+
+    def __init__(self, group_id: str, members: list[Request]) -> None:
+        self.group_id = group_id
+        self.members: list[Request] = []
+        for member in members:
+            self.add(member)
+
+    def add(self, request: Request) -> None:
+        request.group = self
+        self.members.append(request)
+
+    @property
+    def first(self) -> Request:
+        return self.members[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(m.is_finished for m in self.members)

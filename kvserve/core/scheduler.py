@@ -2,9 +2,14 @@
 
 Iteration-level (continuous) batching with no prefill/decode phases: every request simply
 has tokens not yet computed. Running requests are served first (in policy order), each taking
-min(tokens left, budget left, prefill chunk) tokens; then waiting requests are admitted while
-seats, budget and blocks allow. When blocks run out, the policy's worst running request is
-preempted (recomputed later or swapped to the CPU pool).
+min(tokens left, budget left, prefill chunk) tokens, plus any proposed tokens to verify; then
+waiting requests are admitted while seats, budget and blocks allow. When blocks run out, the
+policy's worst running request is preempted (recomputed later or swapped to the CPU pool).
+
+Besides the step (`schedule`, `update`) it has the verbs that change a request's shape between
+steps: `fork` (new members of its group sharing its blocks) and `rollback` (take back computed
+tokens and output, freeing trailing blocks). Nothing here walks a request's context: the work
+of a step grows with the number of requests, not with their length.
 """
 
 from __future__ import annotations
@@ -15,11 +20,10 @@ import time
 from typing import Callable, Optional
 
 from kvserve.config import SchedulerConfig
-from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
-from kvserve.core.request import Request, RequestStatus
+from kvserve.core.request import Request, RequestGroup, RequestStatus
 
 PolicyKey = tuple[int, float, int]
 
@@ -30,6 +34,7 @@ class Scheduler:
         self.kv = kv
         self.max_model_len = max_model_len
         self.requests: dict[str, Request] = {}
+        self.groups: dict[str, RequestGroup] = {}  # unfinished groups by group id
         self.waiting: list[Request] = []  # kept sorted by policy key
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -49,10 +54,10 @@ class Scheduler:
 
     # ---- requests in and out ----
     def add_request(self, req: Request) -> None:
-        if req.request_id in self.requests:
+        if req.request_id in self.requests or req.group_id in self.groups:
             raise ValueError(f"request id {req.request_id!r} is already in use")
-        self.requests[req.request_id] = req
-        self._order[req.request_id] = next(self._counter)
+        self.groups[req.group_id] = req.group  # type: ignore[assignment]
+        self._register(req)
         bisect.insort(self.waiting, req, key=self.key)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Optional[Request]:
@@ -60,20 +65,75 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if req in self.running:
+        if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-        elif req in self.waiting:
+        else:
             self.waiting.remove(req)
         req.status = status
         req.finish_time = time.monotonic()
-        req.num_kv_blocks = len(self.kv.block_table(request_id))
+        req.num_kv_blocks = self.kv.num_held_blocks(request_id)
         self.kv.free(req)
         self._order.pop(request_id, None)
         self._finished_ids.append(request_id)
+        if req.group is not None and req.group.is_finished:
+            self.groups.pop(req.group_id, None)
         return req
+
+    def finish_group(self, group_id: str, status: RequestStatus) -> list[Request]:
+        """End every unfinished member of a group (an abort of the user's request)."""
+        group = self.groups.get(group_id)
+        members = [] if group is None else [m for m in group.members if not m.is_finished]
+        return [r for m in members if (r := self.finish_request(m.request_id, status)) is not None]
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    # ---- verbs between steps ----
+    def fork(self, parent: Request, num_children: int) -> list[Request]:
+        """num_children new members of the parent's group, each a copy of the parent at this
+        point (tokens, computed tokens, shared blocks); the first write into a shared partial
+        block copies it. Works at any step of a running or waiting request."""
+        if parent.status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            raise ValueError(f"cannot fork request {parent.request_id!r} while it is {parent.status.value}")
+        group = parent.group
+        assert group is not None
+        children = []
+        for _ in range(num_children):
+            child = Request(f"{group.group_id}#{len(group.members)}", parent.prompt_token_ids,
+                            parent.sampling_params, parent.eos_token_ids, parent.priority,
+                            parent.arrival_time, parent.cache_salt, group, len(group.members),
+                            output_token_ids=list(parent.output_token_ids),
+                            output_logprobs=list(parent.output_logprobs),
+                            num_computed_tokens=parent.num_computed_tokens,
+                            num_cached_tokens=parent.num_cached_tokens, status=parent.status,
+                            first_scheduled_time=parent.first_scheduled_time,
+                            first_token_time=parent.first_token_time)
+            group.add(child)
+            self._register(child)
+            if parent.status == RequestStatus.RUNNING:
+                self.kv.fork(parent, child)
+                self.running.append(child)
+            else:
+                bisect.insort(self.waiting, child, key=self.key)
+            children.append(child)
+        return children
+
+    def rollback(self, req: Request, num_computed_tokens: int, num_output_tokens: Optional[int] = None) -> None:
+        """Take tokens back: keep num_output_tokens output tokens (default: all) and the K/V of
+        only num_computed_tokens (fewer than the tokens kept, so one is left to compute). The
+        blocks past them go back to the pool; none of them stays registered for this request."""
+        if req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            raise ValueError(f"cannot roll back request {req.request_id!r} while it is {req.status.value}")
+        if num_output_tokens is not None:
+            if not 0 <= num_output_tokens <= req.num_output_tokens:
+                raise ValueError(f"cannot keep {num_output_tokens} of {req.num_output_tokens} output tokens")
+            req.truncate_output(num_output_tokens)
+        if not 0 <= num_computed_tokens < req.num_tokens or num_computed_tokens > req.num_computed_tokens:
+            raise ValueError(f"cannot roll {req.request_id!r} back to {num_computed_tokens} computed tokens "
+                             f"(it has {req.num_computed_tokens} of {req.num_tokens})")
+        req.num_computed_tokens = num_computed_tokens
+        req.spec_token_ids = []
+        self.kv.trim(req, num_computed_tokens)
 
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
@@ -88,36 +148,42 @@ class Scheduler:
                                                        self.key(r))):
             if budget == 0:
                 break
-            if req not in self.running:
+            if req.status != RequestStatus.RUNNING:
                 continue  # preempted to make room for an earlier one
             num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            if self._allocate_or_preempt(req, num_new, scheduled):
-                scheduled.append(self._scheduled(req, num_new))
-                budget -= num_new
+            num_spec = self._num_spec_tokens(req, budget - num_new)
+            if self._allocate_or_preempt(req, num_new + num_spec, scheduled):
+                scheduled.append(self._scheduled(req, num_new, num_spec))
+                budget -= num_new + num_spec
         if self._step_preemptions == num_priority_preemptions:  # admitting while short of blocks would thrash
             self._admit(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
         return SchedulerOutput(scheduled, self.kv.take_copies(), finished, self._step_preemptions)
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance computed tokens, append sampled ones, finish what stopped. Returns the
-        requests that gained a token or finished (forked samples included)."""
+        """Advance computed tokens, append sampled ones (taking back rejected proposals), fork
+        at fork points, finish what stopped. Returns the requests that gained a token or
+        finished (new samples included)."""
         touched: list[Request] = []
         now = time.monotonic()
         for seq in out.scheduled:
             req = self.requests.get(seq.request_id)
             if req is None:
                 continue  # aborted while the step ran
-            req.num_computed_tokens += seq.num_tokens
+            req.num_computed_tokens += len(seq.input_token_ids)
             if not seq.num_samples:
                 continue
             tokens = result.sampled_token_ids[seq.request_id]
-            logprobs = result.logprobs.get(seq.request_id, [None] * len(tokens))
-            samples = [req] + self._fork(req, len(tokens) - 1)
-            for sample, token, lp in zip(samples, tokens, logprobs):
-                self._append(sample, token, lp, now)
-                touched.append(sample)
-        return touched
+            if seq.spec_token_ids:  # the accepted proposals' K/V stays; the rest is taken back
+                req.num_computed_tokens += len(tokens) - 1
+                self.kv.trim(req, req.num_computed_tokens)
+            forked = result.forked_token_ids.get(seq.request_id, [])
+            children = self.fork(req, len(forked)) if forked else []
+            touched += self._append(req, tokens, result.logprobs.get(seq.request_id), now)
+            forked_logprobs = result.forked_logprobs.get(seq.request_id)
+            for i, (child, token) in enumerate(zip(children, forked)):
+                touched += self._append(child, [token], forked_logprobs and [forked_logprobs[i]], now)
+        return list(dict.fromkeys(touched))
 
     def stats(self) -> SchedulerStats:
         pool = self.kv.pool
@@ -129,14 +195,44 @@ class Scheduler:
             num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks, prefix_hit_rate=self.kv.prefix_hit_rate,
             num_reserved_slots=sum(self.kv.num_reserved_slots(r.request_id) for r in self.running),
-            num_used_slots=sum(r.num_computed_tokens for r in self.running))
+            num_used_slots=self.kv.num_groups * sum(r.num_computed_tokens for r in self.running))
+
+    def check_integrity(self) -> None:
+        """Between steps: the pool's invariants, every request in exactly one queue that matches
+        its status, one token always left to compute, and running tables that cover exactly the
+        computed tokens (no block held past them)."""
+        self.kv.check_integrity()
+        assert len(self.running) + len(self.waiting) == len(self.requests)
+        assert all(r.status == RequestStatus.RUNNING for r in self.running)
+        assert all(r.status != RequestStatus.RUNNING and not r.is_finished for r in self.waiting)
+        for req in self.requests.values():
+            assert req.num_computed_tokens < req.num_tokens, req.request_id
+            if req.status == RequestStatus.RUNNING:  # its tables cover exactly its computed tokens
+                need = self.kv.blocks_needed(req.num_computed_tokens)
+                assert self.kv.num_groups * len(self.kv.block_table(req.request_id)) == need, req.request_id
+            elif req.status != RequestStatus.SWAPPED:
+                assert self.kv.num_held_blocks(req.request_id) == 0, req.request_id
+            assert req.group_id in self.groups
 
     # ---- helpers ----
+    def _register(self, req: Request) -> None:
+        self.requests[req.request_id] = req
+        self._order[req.request_id] = next(self._counter)
+
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         num_new = min(req.num_tokens - num_computed, budget)
         if self.config.max_prefill_chunk is not None:
             num_new = min(num_new, self.config.max_prefill_chunk)
         return max(num_new, 1) if budget > 0 else 0
+
+    def _num_spec_tokens(self, req: Request, budget: int) -> int:
+        """How many of its proposals a decoding request verifies this step: within the budget,
+        the context, and the output it may still produce (one more token always follows)."""
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+            return 0
+        room = min(budget, self.max_model_len - req.num_tokens,
+                   req.sampling_params.max_tokens - req.num_output_tokens - 1)
+        return max(min(len(req.spec_token_ids), room), 0)
 
     def _allocate_or_preempt(self, req: Request, num_new: int,
                              scheduled: list[ScheduledSequence]) -> bool:
@@ -169,7 +265,7 @@ class Scheduler:
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            scheduled.append(self._scheduled(req, num_new))
+            scheduled.append(self._scheduled(req, num_new, 0))
             budget -= num_new
 
     def _record_admission(self, req: Request, num_cached: int) -> None:
@@ -189,17 +285,18 @@ class Scheduler:
             if self.key(best) >= self.key(worst):
                 return
             first_chunk = min(best.num_tokens, self.config.max_num_batched_tokens)
-            needs_blocks = not self.kv.pool.can_take(num_blocks_for(first_chunk, self.kv.block_size))
+            needs_blocks = not self.kv.pool.can_take(self.kv.blocks_needed(first_chunk))
             if len(self.running) < self.config.max_num_seqs and not needs_blocks:
                 return
             self._preempt(worst)
 
     def _preempt(self, victim: Request) -> None:
-        """Take the victim (the last in self.running) out and queue it to resume."""
+        """Take the victim out of the running batch and queue it to resume."""
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._step_preemptions += 1
+        victim.spec_token_ids = []
         if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
         else:  # recompute: blocks go back with their hashes, so re-prefill can hit them
@@ -212,43 +309,31 @@ class Scheduler:
         req.error = message
         self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledSequence:
+    def _scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledSequence:
         start = req.num_computed_tokens
         done = start + num_new == req.num_tokens
         params = req.sampling_params
         num_samples = 0
         if done:
-            is_fork_point = params.n > 1 and req.parent_id is None and req.num_output_tokens == 0
+            assert req.group is not None
+            is_fork_point = (params.n > 1 and len(req.group.members) == 1 and req.num_output_tokens == 0)
             num_samples = params.n if is_fork_point else 1
+        spec, req.spec_token_ids = req.spec_token_ids[:num_spec], []
         return ScheduledSequence(
             req.request_id, req.all_token_ids[start:start + num_new], start,
-            list(self.kv.block_table(req.request_id)), params, num_samples,
+            self.kv.take_table_updates(req.request_id), params, num_samples,
             req.prompt_token_ids, req.output_token_ids,
-            None if params.seed is None else params.seed + req.sample_index)
+            None if params.seed is None else params.seed + req.sample_index, spec)
 
-    def _fork(self, parent: Request, num_children: int) -> list[Request]:
-        children = []
-        for i in range(1, num_children + 1):
-            child = Request(f"{parent.request_id}#{i}", parent.prompt_token_ids,
-                            parent.sampling_params, parent.eos_token_ids, parent.priority,
-                            parent.arrival_time, parent.cache_salt, parent.request_id, i,
-                            output_token_ids=list(parent.output_token_ids),
-                            num_computed_tokens=parent.num_computed_tokens,
-                            num_cached_tokens=parent.num_cached_tokens,
-                            status=RequestStatus.RUNNING,
-                            first_scheduled_time=parent.first_scheduled_time)
-            self.kv.fork(parent, child)
-            self.requests[child.request_id] = child
-            self._order[child.request_id] = next(self._counter)
-            self.running.append(child)
-            children.append(child)
-        return children
-
-    def _append(self, req: Request, token: int, logprobs: Optional[dict[int, float]],
-                now: float) -> None:
-        req.append_token(token, logprobs)
-        if req.first_token_time is None:
-            req.first_token_time = now
-        status = req.check_stop(self.max_model_len)
-        if status is not None:
-            self.finish_request(req.request_id, status)
+    def _append(self, req: Request, tokens: list[int], logprobs: Optional[list[dict[int, float]]],
+                now: float) -> list[Request]:
+        """Append tokens in order until one finishes the request."""
+        for i, token in enumerate(tokens):
+            req.append_token(token, None if logprobs is None else logprobs[i])
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = req.check_stop(self.max_model_len)
+            if status is not None:
+                self.finish_request(req.request_id, status)
+                break
+        return [req]

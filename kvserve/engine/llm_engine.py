@@ -13,21 +13,22 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvserve.config import EngineConfig
+from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.block_math import num_blocks_for
-from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.cache_group import CacheGroupSpec, layer_maps
+from kvserve.core.kv_cache_manager import KVCacheManager, single_group
 from kvserve.core.outputs import SchedulerStats
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
-from kvserve.kv.cache import KVCache
+from kvserve.kv.storage import DenseKVStorage, KVStorage
 from kvserve.kv.sizing import CachePlan, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
 from kvserve.core.request import Request, RequestStatus
 from kvserve.runner import host_memory
-from kvserve.runner.model_runner import ModelRunner
+from kvserve.runner.model_runner import CacheLayout, ModelRunner
 from kvserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -52,6 +53,11 @@ class EngineStats:
     num_prompt_tokens_computed: int
 
 
+def cache_groups(config: ModelConfig) -> tuple[CacheGroupSpec, ...]:
+    """The model's layers grouped by how they attend (one group: every layer attends fully)."""
+    return single_group(config.num_hidden_layers)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
         """`loaded` lets several engines share weights already read from disk."""
@@ -69,15 +75,19 @@ class LLMEngine:
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         self.model = build_model(loaded, dtype, config.device, self.max_model_len)
         self.model_id = loaded.model_id
+        groups = cache_groups(loaded.config)
+        layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
         self.plan = plan_cache(config.cache, loaded.config, config.kv_dtype, self.max_model_len,
-                               config.scheduler.max_num_seqs, config.device)
-        self.kv_cache, swap_cache = self._allocate_cache(self.plan)
+                               config.scheduler.max_num_seqs, config.device, len(groups))
+        self.storage, swap_storage = self._allocate_cache(self.plan, layer_tensor)
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
-                                 self.plan.num_cpu_blocks if swap_cache is not None else 0,
-                                 namespace=(self.model_id, config.dtype, config.kv_dtype, None))
+                                 self.plan.num_cpu_blocks if swap_storage is not None else 0,
+                                 namespace=(self.model_id, config.dtype, config.kv_dtype, None), groups=groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache, swap_cache, self.plan.block_size, config.seed,
+        layout = CacheLayout(layer_group, len(groups), self.plan.block_size, self.plan.num_blocks,
+                             self.max_model_len)
+        self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         self.outputs = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
@@ -91,16 +101,18 @@ class LLMEngine:
                      **options: Any) -> "LLMEngine":
         return cls(engine_config(model, **options), loaded)
 
-    def _allocate_cache(self, plan: CachePlan) -> tuple[Optional[KVCache], Optional[KVCache]]:
+    def _allocate_cache(self, plan: CachePlan, layer_tensor: Sequence[int]
+                        ) -> tuple[Optional[KVStorage], Optional[KVStorage]]:
+        """The cache (the pool's blocks and the null block) and, for swap preemption, its CPU pool."""
         if not self.config.use_cache:
             return None, None
         c, dtype = self.model_config, getattr(torch, self.config.kv_dtype)
-        cache = KVCache(c.num_hidden_layers, plan.num_blocks, plan.block_size,
-                        c.num_key_value_heads, c.head_dim, dtype, self.config.device)
+        cache = DenseKVStorage(layer_tensor, plan.num_blocks + 1, plan.block_size,
+                               c.num_key_value_heads, c.head_dim, dtype, self.config.device)
         swap = None
         if self.config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
-            swap = KVCache(c.num_hidden_layers, plan.num_cpu_blocks, plan.block_size,
-                           c.num_key_value_heads, c.head_dim, dtype, "cpu")
+            swap = DenseKVStorage(layer_tensor, plan.num_cpu_blocks, plan.block_size,
+                                  c.num_key_value_heads, c.head_dim, dtype, "cpu")
         return cache, swap
 
     # ---- requests ----
@@ -148,14 +160,12 @@ class LLMEngine:
                              f"lower max_tokens or raise --kv-cache-memory")
 
     def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks now (its n > 1 samples too)."""
-        ids = [r for r in self.scheduler.requests if r == request_id or r.startswith(request_id + "#")]
-        for rid in ids:
-            req = self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            if req is not None:
-                self.outputs.finish_sample(req, "abort")
+        """Stop a request and free its blocks now (every member of its group: n > 1 samples)."""
+        aborted = self.scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        for req in aborted:
+            self.outputs.finish_sample(req, "abort")
         self.outputs.states.pop(request_id, None)
-        return bool(ids)
+        return bool(aborted)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -176,7 +186,7 @@ class LLMEngine:
             self._record_footprint(req)
             if self.outputs.process(req) is not None and not req.is_finished:
                 self.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED)
-            touched_ids.append(req.parent_id or req.request_id)
+            touched_ids.append(req.group_id)
         for rid in finished_ids:  # errors raised inside the scheduler
             failed = self.outputs.states.get(rid)
             if failed is not None and rid not in touched_ids:
@@ -185,12 +195,12 @@ class LLMEngine:
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
 
     def _record_footprint(self, req: Request) -> None:
-        state = self.outputs.states.get(req.parent_id or req.request_id)
+        state = self.outputs.states.get(req.group_id)
         if state is None or req.sample_index:
             return
-        blocks = len(self.kv.block_table(req.request_id)) or req.num_kv_blocks
+        blocks = self.kv.num_held_blocks(req.request_id) or req.num_kv_blocks
         state.metrics.num_kv_blocks = blocks
-        state.metrics.kv_cache_bytes = blocks * self.plan.block_bytes if self.kv_cache is not None else 0
+        state.metrics.kv_cache_bytes = blocks * self.plan.block_bytes if self.storage is not None else 0
 
     # ---- stats ----
     def stats(self) -> EngineStats:

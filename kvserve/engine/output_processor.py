@@ -57,7 +57,7 @@ class OutputProcessor:
 
     def process(self, req: Request) -> Optional[str]:
         """Fold a request's new tokens into its sample; returns the stop string it hit, if any."""
-        state = self.states.get(req.parent_id or req.request_id)
+        state = self.states.get(req.group_id)
         if state is None:
             return None
         sample = state.samples.setdefault(req.sample_index, SampleState(req.sample_index))
@@ -74,7 +74,7 @@ class OutputProcessor:
         return hit
 
     def finish_sample(self, req: Request, reason: str) -> None:
-        state = self.states.get(req.parent_id or req.request_id)
+        state = self.states.get(req.group_id)
         if state is not None:
             sample = state.samples.setdefault(req.sample_index, SampleState(req.sample_index))
             if sample.finish_reason is None:

@@ -1,5 +1,10 @@
 """How many blocks the cache gets: from an explicit count, a byte budget, or a fraction of the
-device's free memory. Sizes are counted exactly: K and V, every layer, every slot of a block."""
+device's free memory. Sizes are counted exactly: K and V, every layer, every slot of a block,
+and the null block the cache holds beside the pool's blocks.
+
+With G cache groups the layers' tensors are shared across groups (tensor j holds the j-th layer
+of each group), so a block holds layers / G layers and a sequence takes G blocks per block_size
+tokens: the bytes per token are the model's either way."""
 
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ class CachePlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        """The cache's bytes: the pool's blocks and the null block."""
+        return (self.num_blocks + 1) * self.block_bytes
 
 
 def free_device_memory(device: str) -> int:
@@ -37,9 +43,11 @@ def free_device_memory(device: str) -> int:
 
 
 def plan_cache(cache: CacheConfig, model: ModelConfig, kv_dtype: str, max_model_len: int,
-               max_num_seqs: int, device: str) -> CachePlan:
+               max_num_seqs: int, device: str, num_groups: int = 1) -> CachePlan:
+    """num_blocks is the pool's; the cache holds one more (the null block), and a budget pays
+    for it too."""
     block_size = max_model_len if cache.layout == "contiguous" else cache.block_size
-    block_bytes = int(block_size * model.kv_bytes_per_token(kv_dtype))
+    block_bytes = int(block_size * model.kv_bytes_per_token(kv_dtype)) // num_groups
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -51,11 +59,11 @@ def plan_cache(cache: CacheConfig, model: ModelConfig, kv_dtype: str, max_model_
             budget = int(free_device_memory(device) * DEFAULT_GPU_FRACTION)
         else:
             budget = min(DEFAULT_CPU_BUDGET, free_device_memory(device) // 4)
-        num_blocks = blocks_in_budget(budget, block_bytes)
+        num_blocks = blocks_in_budget(budget, block_bytes) - 1  # the null block
         if num_blocks < 1:
-            raise ValueError(f"a KV cache budget of {budget} bytes holds no block "
-                             f"({block_bytes} bytes each); raise --kv-cache-memory")
+            raise ValueError(f"a KV cache budget of {budget} bytes holds no block besides the null "
+                             f"block ({block_bytes} bytes each); raise --kv-cache-memory")
         # more blocks than every seat filled to the context length can never be used at once
-        num_blocks = min(num_blocks, max_num_seqs * num_blocks_for(max_model_len, block_size) + 1)
+        num_blocks = min(num_blocks, max_num_seqs * num_groups * num_blocks_for(max_model_len, block_size) + 1)
     return CachePlan(block_size, num_blocks, block_bytes,
                      blocks_in_budget(cache.swap_space_bytes, block_bytes))

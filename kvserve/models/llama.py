@@ -1,7 +1,8 @@
 """A Llama-family decoder (Llama 1-3, Mistral, Qwen2, SmolLM, llama2.c) over a flat token batch.
 
-Tokens of many sequences are flattened into one [T] batch with their own positions; the
-attention backend reads and writes each sequence's K/V through `AttentionMetadata`.
+Tokens of many sequences are flattened into one [T] batch with their own positions; each
+layer's `Attention` hands its q, k, v to the engine's backend, which reads and writes the cache
+(`ForwardContext`). The model never sees block tables or the cache layout.
 Parameter names follow Hugging Face, so every loader is a rename table.
 """
 
@@ -14,9 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention.backend import AttentionMetadata, attention
+from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.kv.cache import KVCache
 from kvserve.models.linear import Linear
 
 
@@ -87,15 +87,15 @@ class LlamaAttention(nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.attn = Attention(layer_idx, self.head_dim ** -0.5)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata, kv_cache: Optional[KVCache]) -> torch.Tensor:
+                ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
         k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        layer_cache = kv_cache.layer(self.layer_idx) if kv_cache is not None else None
-        out = attention(q, k, v, layer_cache, meta)  # [T, heads, head_dim]
+        out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
@@ -119,8 +119,8 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                meta: AttentionMetadata, kv_cache: Optional[KVCache]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv_cache)
+                ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -145,13 +145,12 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(self.config, max_len, weight.device, weight.dtype)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: Optional[KVCache]) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None, "call init_rope() after loading weights"
         x = self.model.embed_tokens(input_ids)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, meta, kv_cache)
+            x = layer(x, positions, self.rope, ctx)
         return self.model.norm(x)
 
     @torch.inference_mode()

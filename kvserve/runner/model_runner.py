@@ -1,12 +1,15 @@
 """ModelRunner: SchedulerOutput -> input tensors -> logits -> sampled ids (ModelRunnerOutput).
 
-The flat batch puts single-token decodes first, then prefill chunks:
+The flat batch puts single-token decodes first, then multi-token chunks (prompt chunks, and
+decodes that verify proposed tokens after their last token):
 
     input_ids  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     positions  [37 12 80 | 0 1 2 3 | 16 17]
-    slot_mapping: block_table[pos // block_size] * block_size + pos % block_size for each token
+    slot_mapping: table[pos // block_size] * block_size + pos % block_size, per cache group
 
 Every token's position is its sequence's num_computed_tokens plus its offset in the step, so
-RoPE positions always equal the cache length, whatever the batch.
+RoPE positions always equal the cache length, whatever the batch. The runner keeps every
+request's block tables (BlockTables) and applies the scheduler's changes to them, so preparing a
+step costs the step's tokens and requests, not their contexts.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from kvserve import attention
 from kvserve.attention.backend import AttentionMetadata, PrefillSpan
-from kvserve.core.block_math import num_blocks_for, slots_for
+from kvserve.attention.layer import ForwardContext, install
+from kvserve.core.block_math import cdiv
 from kvserve.core.kv_cache_manager import BlockCopies
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
-from kvserve.kv.cache import KVCache
+from kvserve.kv.storage import KVStorage
 from kvserve.models import linear
 from kvserve.models.llama import LlamaForCausalLM
+from kvserve.runner.block_table import BlockTables
 from kvserve.runner.sampler import Sampler
 
 
@@ -30,139 +36,174 @@ from kvserve.runner.sampler import Sampler
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # [N] rows whose hidden state is sampled
-    sample_seqs: list[ScheduledSequence]
+    ctx: ForwardContext
+    seqs: list[ScheduledSequence]  # in batch order
+    row_ends: list[int]  # one past each sequence's last row
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """How the runner maps layers to cache groups, and the pool it indexes."""
+
+    layer_group: tuple[int, ...]  # the cache group of each layer
+    num_groups: int
+    block_size: int
+    null_block_id: int
+    max_model_len: int
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: Optional[KVCache],
-                 swap_cache: Optional[KVCache], block_size: int, seed: int = 0,
+    def __init__(self, model: LlamaForCausalLM, storage: Optional[KVStorage],
+                 swap_storage: Optional[KVStorage], layout: CacheLayout, seed: int = 0,
                  attention_backend: str = "auto", linear_backend: str = "auto") -> None:
         self.model = model
-        self.kv_cache = kv_cache  # None: recompute every sequence from scratch (the reference)
-        self.swap_cache = swap_cache
-        self.block_size = block_size
+        self.storage = storage  # None: recompute every sequence from scratch (the reference)
+        self.swap_storage = swap_storage
+        self.layout = layout
         self.device = model.model.embed_tokens.weight.device
+        dtype = model.model.embed_tokens.weight.dtype
+        self.backend = attention.select(attention_backend, storage, self.device, layout.block_size, dtype)
+        install(model, self.backend, layout.layer_group)
+        self.tables = [BlockTables(layout.null_block_id, layout.block_size,
+                                   cdiv(layout.max_model_len, layout.block_size) + 1, self.device)
+                       for _ in range(layout.num_groups)]
         self.sampler = Sampler(seed)
-        self.decode_kernel = self._pick_decode_kernel(attention_backend)
-        self._pick_linear_kernel(linear_backend)
-        # called with (request ids, logits [N, vocab]) each step: tests and logprob tooling
+        if self.device.type == "cpu" and model.lm_head.weight.dtype == torch.bfloat16:
+            linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
+        # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
-        self.sampler.forget(out.finished_request_ids)
+        self.forget(out.finished_request_ids)
         if out.is_empty:
             return ModelRunnerOutput({})
+        self._apply_table_updates(out.scheduled)
         inp = self.prepare(out.scheduled)
-        hidden = self.model(inp.input_ids, inp.positions, inp.meta, self.kv_cache)
-        if not inp.sample_seqs:
-            return ModelRunnerOutput({})
-        logits = self.model.compute_logits(hidden[inp.logits_indices])
-        ids = [s.request_id for s in inp.sample_seqs]
-        if self.logits_hook is not None:
-            self.logits_hook(ids, logits)
-        tokens, logprobs = self.sampler(logits, inp.sample_seqs)
-        return ModelRunnerOutput(dict(zip(ids, tokens)),
-                                 {i: lp for i, lp in zip(ids, logprobs) if lp is not None})
+        hidden = self.model(inp.input_ids, inp.positions, inp.ctx)
+        return self._sample(hidden, inp)
 
-    def _pick_decode_kernel(self, backend: str) -> Optional[Callable[..., torch.Tensor]]:
-        if backend == "torch" or self.device.type != "cpu" or self.kv_cache is None:
-            return None
-        from kvserve.attention import cpu_kernel
-        fn = cpu_kernel.decode_fn()
-        if fn is None and backend == "cpu-kernel":
-            raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure()}")
-        return fn
-
-    def _pick_linear_kernel(self, backend: str) -> None:
-        fn = None
-        if self.device.type == "cpu" and self.model.lm_head.weight.dtype == torch.bfloat16:
-            fn = linear.kernel_for(backend)
-        linear.use_few_row_kernel(self.model, fn)
+    def forget(self, request_ids: Sequence[str]) -> None:
+        self.sampler.forget(request_ids)
+        for t in self.tables:
+            t.forget(request_ids)
 
     def apply_copies(self, copies: BlockCopies) -> None:
         if not copies:
             return
-        assert self.kv_cache is not None
+        assert self.storage is not None
         if copies.swap_out or copies.swap_in:
-            assert self.swap_cache is not None
-            self.kv_cache.copy_to(self.swap_cache, copies.swap_out)
-            self.swap_cache.copy_to(self.kv_cache, copies.swap_in)
-        self.kv_cache.copy_blocks(copies.copy_on_write)
+            assert self.swap_storage is not None
+            self.storage.swap_out(self.swap_storage, copies.swap_out)
+            self.storage.swap_in(self.swap_storage, copies.swap_in)
+        self.storage.copy_blocks(copies.copy_on_write)
 
+    def _apply_table_updates(self, seqs: Sequence[ScheduledSequence]) -> None:
+        for s in seqs:
+            for table, update in zip(self.tables, s.table_updates):
+                if update is not None:
+                    table.update(s.request_id, *update)
+
+    # ---- inputs ----
     def prepare(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
-        if self.kv_cache is None:
+        if self.storage is None:
             return self._prepare_recompute(seqs)
         decodes = [s for s in seqs if s.num_tokens == 1 and s.start_position > 0]
-        prefills = [s for s in seqs if not (s.num_tokens == 1 and s.start_position > 0)]
-        ordered = decodes + prefills
-        ids, positions, slots = [], [], []
+        chunks = [s for s in seqs if not (s.num_tokens == 1 and s.start_position > 0)]
+        ordered = decodes + chunks
+        ids: list[int] = []
+        positions: list[int] = []
         for s in ordered:
-            ids.extend(s.input_token_ids)
-            positions.extend(range(s.start_position, s.context_len))
-            slots.extend(slots_for(s.block_table, s.start_position, s.context_len, self.block_size))
-        meta = AttentionMetadata(slot_mapping=self._tensor(slots), num_decode_tokens=len(decodes))
-        if decodes:
-            self._decode_metadata(meta, decodes)
-        row = len(decodes)
-        for s in prefills:
-            meta.prefills.append(self._prefill_span(s, row))
-            row += s.num_tokens
-        return self._model_input(ids, positions, meta, ordered)
+            ids += s.input_token_ids
+            ids += s.spec_token_ids
+            positions += range(s.start_position, s.context_len)
+        pos = torch.tensor(positions, dtype=torch.long)
+        counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
+        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts))
+                    for t in self.tables]
+        return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
+
+    def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
+                        pos: torch.Tensor, counts: torch.Tensor) -> AttentionMetadata:
+        rows = table.row_index([s.request_id for s in ordered])
+        meta = AttentionMetadata(slot_mapping=table.slots(torch.repeat_interleave(rows, counts), pos),
+                                 num_decode_tokens=num_decodes)
+        if num_decodes:
+            ctx = [s.context_len for s in ordered[:num_decodes]]
+            meta.decode_max_context = max(ctx)
+            meta.decode_block_tables = table.tables(rows[:num_decodes], meta.decode_max_context)
+            meta.decode_context_lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
+        q_start = num_decodes
+        for i, s in enumerate(ordered[num_decodes:], start=num_decodes):
+            block_table = None if s.start_position == 0 else table.tables(rows[i:i + 1], s.context_len)[0]
+            meta.prefills.append(PrefillSpan(q_start, s.num_tokens, s.context_len, block_table))
+            q_start += s.num_tokens
+        return meta
 
     def _prepare_recompute(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
         """No cache: each sequence's whole context is fed again from position 0."""
         ids: list[int] = []
+        positions: list[int] = []
         meta = AttentionMetadata()
-        full = []
         for s in seqs:
-            tokens = (list(s.prompt_token_ids) + list(s.output_token_ids))[:s.context_len]
+            known = s.start_position + len(s.input_token_ids)
+            tokens = (list(s.prompt_token_ids) + list(s.output_token_ids))[:known] + s.spec_token_ids
             meta.prefills.append(PrefillSpan(len(ids), len(tokens), len(tokens)))
-            ids.extend(tokens)
-            full.append(ScheduledSequence(s.request_id, tokens, 0, [], s.sampling_params,
-                                          s.num_samples, s.prompt_token_ids, s.output_token_ids, s.seed))
-        positions = [p for s in full for p in range(s.num_tokens)]
-        return self._model_input(ids, positions, meta, full)
+            ids += tokens
+            positions += range(len(tokens))
+        metadata = [self.backend.build_metadata(meta)] * len(self.tables)
+        return self._model_input(ids, torch.tensor(positions, dtype=torch.long),
+                                 ForwardContext(None, metadata), list(seqs))
 
-    def _model_input(self, ids: list[int], positions: list[int], meta: AttentionMetadata,
+    def _model_input(self, ids: list[int], pos: torch.Tensor, ctx: ForwardContext,
                      ordered: list[ScheduledSequence]) -> ModelInput:
         ends, row = [], 0
-        sample_seqs = []
         for s in ordered:
-            row += s.num_tokens
-            if s.num_samples:
-                ends.append(row - 1)
-                sample_seqs.append(s)
-        return ModelInput(self._tensor(ids), self._tensor(positions), meta, self._tensor(ends), sample_seqs)
+            row += s.num_tokens if self.storage is not None else s.context_len
+            ends.append(row)
+        return ModelInput(torch.tensor(ids, dtype=torch.long, device=self.device), pos.to(self.device),
+                          ctx, ordered, ends)
 
-    def _decode_metadata(self, meta: AttentionMetadata, decodes: list[ScheduledSequence]) -> None:
-        ctx = [s.context_len for s in decodes]
-        num_blocks = max(num_blocks_for(c, self.block_size) for c in ctx)
-        tables = [s.block_table[:num_blocks] + [0] * (num_blocks - len(s.block_table[:num_blocks]))
-                  for s in decodes]
-        slots_per_block = min(self.block_size, max(ctx))
-        length = num_blocks * slots_per_block
-        meta.decode_block_tables = self._tensor(tables)
-        meta.decode_slots_per_block = slots_per_block
-        meta.decode_context_lens = lens = self._tensor(ctx)
-        meta.decode_kernel = self.decode_kernel
-        if self.decode_kernel is not None:
-            return  # the kernel reads each context's exact length: no padding mask
-        positions = torch.arange(length, device=self.device)
-        past_end = positions.unsqueeze(0) >= lens.unsqueeze(1)
-        mask = torch.zeros(len(ctx), 1, 1, length, dtype=self.model.model.embed_tokens.weight.dtype,
-                           device=self.device)
-        meta.decode_mask = mask.masked_fill_(past_end.view(len(ctx), 1, 1, length), float("-inf"))
+    # ---- outputs ----
+    def _sample(self, hidden: torch.Tensor, inp: ModelInput) -> ModelRunnerOutput:
+        """Logits for the rows each sequence needs (its last row; with proposals, the last
+        input and every proposal; more where it asked), then tokens."""
+        wanted = [(s, end, max(len(s.spec_token_ids) + 1 if s.num_samples else 0, s.num_logit_rows))
+                  for s, end in zip(inp.seqs, inp.row_ends)]
+        wanted = [w for w in wanted if w[2]]
+        if not wanted:
+            return ModelRunnerOutput({})
+        index = torch.cat([torch.arange(end - n, end) for _, end, n in wanted]).to(self.device)
+        logits = self.model.compute_logits(hidden[index])  # [rows, vocab] fp32
+        per_seq = dict(zip((s.request_id for s, _, _ in wanted), logits.split([n for *_, n in wanted])))
+        result = ModelRunnerOutput({})
+        plain = [s for s, _, _ in wanted if s.num_samples and not s.spec_token_ids]
+        if plain:
+            self._sample_plain(plain, torch.stack([per_seq[s.request_id][-1] for s in plain]), result)
+        for s, _, n in wanted:
+            if s.num_samples and s.spec_token_ids:
+                self._verify(s, per_seq[s.request_id][-(len(s.spec_token_ids) + 1):], result)
+            if s.num_logit_rows:
+                result.logits[s.request_id] = per_seq[s.request_id][-s.num_logit_rows:]
+        return result
 
-    def _prefill_span(self, s: ScheduledSequence, row: int) -> PrefillSpan:
-        if s.start_position == 0:  # the chunk is the whole context: no gather, plain causal
-            return PrefillSpan(row, s.num_tokens, s.context_len)
-        table = self._tensor(s.block_table[:num_blocks_for(s.context_len, self.block_size)])
-        q_pos = torch.arange(s.start_position, s.context_len, device=self.device)
-        mask = torch.arange(s.context_len, device=self.device).unsqueeze(0) <= q_pos.unsqueeze(1)
-        return PrefillSpan(row, s.num_tokens, s.context_len, table, mask)
+    def _sample_plain(self, seqs: list[ScheduledSequence], rows: torch.Tensor, result: ModelRunnerOutput) -> None:
+        if self.logits_hook is not None:
+            self.logits_hook([s.request_id for s in seqs], rows)
+        tokens, logprobs = self.sampler(rows, seqs)
+        for s, toks, lps in zip(seqs, tokens, logprobs):
+            result.sampled_token_ids[s.request_id] = toks[:1]
+            if len(toks) > 1:
+                result.forked_token_ids[s.request_id] = toks[1:]
+            if lps is not None:
+                result.logprobs[s.request_id] = lps[:1]
+                if len(toks) > 1:
+                    result.forked_logprobs[s.request_id] = lps[1:]
 
-    def _tensor(self, data: Sequence) -> torch.Tensor:
-        return torch.tensor(data, dtype=torch.long, device=self.device)
+    def _verify(self, seq: ScheduledSequence, rows: torch.Tensor, result: ModelRunnerOutput) -> None:
+        tokens, logprobs = self.sampler.verify(rows, seq)
+        if self.logits_hook is not None:
+            self.logits_hook([seq.request_id] * len(tokens), rows[:len(tokens)])
+        result.sampled_token_ids[seq.request_id] = tokens
+        if logprobs is not None:
+            result.logprobs[seq.request_id] = logprobs

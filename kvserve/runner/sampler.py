@@ -7,6 +7,7 @@ else is in the batch.
 
 from __future__ import annotations
 
+import copy
 from typing import Optional, Sequence
 
 import torch
@@ -15,19 +16,48 @@ from kvserve.core.outputs import ScheduledSequence
 from kvserve.core.sampling_params import SamplingParams
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
-                    output_ids: Sequence[int]) -> torch.Tensor:
+class TokenHistory:
+    """What penalties read of one request, kept up to date in place: which tokens its prompt and
+    output hold (`seen`) and how often each occurs in the output (`counts`). Each step adds only
+    its new tokens, so a long output costs nothing per step."""
+
+    def __init__(self, vocab_size: int, prompt_ids: Sequence[int], device: torch.device) -> None:
+        self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(vocab_size, dtype=torch.long, device=device)
+        self.num_outputs = 0
+        self.seen[_ids(prompt_ids, vocab_size, device)] = True
+
+    def catch_up(self, output_ids: Sequence[int]) -> None:
+        new = _ids(output_ids[self.num_outputs:], self.counts.shape[0], self.counts.device)
+        self.counts.index_add_(0, new, torch.ones_like(new))
+        self.seen[new] = True
+        self.num_outputs = len(output_ids)
+
+    def with_tokens(self, token_ids: Sequence[int]) -> "TokenHistory":
+        """A copy that has also seen token_ids (the proposals before a row being verified)."""
+        other = copy.copy(self)
+        new = _ids(token_ids, self.counts.shape[0], self.counts.device)
+        other.seen, other.counts = self.seen.clone(), self.counts.clone()
+        other.counts.index_add_(0, new, torch.ones_like(new))
+        other.seen[new] = True
+        return other
+
+
+def _ids(ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    t = torch.tensor(list(ids), dtype=torch.long, device=device)
+    return t[t < vocab_size]
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: TokenHistory) -> torch.Tensor:
     """One row [vocab]: repetition over prompt and output; presence/frequency over output."""
-    device = logits.device
     if params.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(prompt_ids) | set(output_ids)), dtype=torch.long, device=device)
-        vals = logits[seen]
-        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty,
-                                   vals * params.repetition_penalty)
-    if output_ids and (params.presence_penalty or params.frequency_penalty):
-        counts = torch.bincount(torch.tensor(output_ids, device=device), minlength=logits.shape[-1])
-        logits -= params.frequency_penalty * counts[:logits.shape[-1]].to(logits.dtype)
-        logits -= params.presence_penalty * (counts[:logits.shape[-1]] > 0).to(logits.dtype)
+        vals = logits[history.seen]
+        logits[history.seen] = torch.where(vals > 0, vals / params.repetition_penalty,
+                                           vals * params.repetition_penalty)
+    if params.presence_penalty or params.frequency_penalty:
+        counts = history.counts.to(logits.dtype)
+        logits -= params.frequency_penalty * counts
+        logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
     logits.copy_(bounded(logits))
     return logits
 
@@ -72,11 +102,13 @@ class Sampler:
     def __init__(self, seed: int) -> None:
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
+        self.histories: dict[str, TokenHistory] = {}
         self._num_unseeded = 0
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
+            self.histories.pop(rid, None)
 
     def _generator(self, seq: ScheduledSequence, device: torch.device) -> torch.Generator:
         g = self.generators.get(seq.request_id)
@@ -90,6 +122,13 @@ class Sampler:
             self.generators[seq.request_id] = g
         return g
 
+    def _history(self, seq: ScheduledSequence, logits: torch.Tensor) -> TokenHistory:
+        h = self.histories.get(seq.request_id)
+        if h is None:
+            h = self.histories[seq.request_id] = TokenHistory(logits.shape[-1], seq.prompt_token_ids, logits.device)
+        h.catch_up(seq.output_token_ids)
+        return h
+
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
                  ) -> tuple[list[list[int]], list[Optional[list[dict[int, float]]]]]:
         """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence."""
@@ -98,7 +137,7 @@ class Sampler:
             logits = logits.clone()
             for i, s in enumerate(seqs):
                 if s.sampling_params.has_penalties:
-                    apply_penalties(logits[i], s.sampling_params, s.prompt_token_ids, s.output_token_ids)
+                    apply_penalties(logits[i], s.sampling_params, self._history(s, logits))
         tokens: list[list[int]] = [[] for _ in seqs]
         greedy = [i for i, s in enumerate(seqs) if s.sampling_params.is_greedy]
         if greedy:
@@ -114,6 +153,44 @@ class Sampler:
                                               generator=g).tolist()
         return tokens, [_logprobs(raw[i], tokens[i], s.sampling_params.logprobs)
                         for i, s in enumerate(seqs)]
+
+    def verify(self, rows: torch.Tensor, seq: ScheduledSequence
+               ) -> tuple[list[int], Optional[list[dict[int, float]]]]:
+        """rows [k + 1, vocab]: the logits after the last input and after each of the k proposals.
+        Returns the accepted proposals and one more token (a correction, or after all k a bonus).
+
+        Greedy: a proposal is accepted while it is the argmax, so the output is exactly what
+        plain greedy decoding gives. Sampling: the proposals are point guesses (q = 1 on the
+        proposed token), so proposal d is accepted with probability p(d), and on rejection the
+        token is drawn from p with d removed, renormalized: speculative sampling's
+        min(1, p/q) and normalize(max(0, p - q)) for this q, which leaves every token
+        distributed exactly as p."""
+        params, spec = seq.sampling_params, seq.spec_token_ids
+        filtered = rows.clone()
+        if params.has_penalties:
+            history = self._history(seq, rows)
+            for i in range(len(rows)):
+                apply_penalties(filtered[i], params, history.with_tokens(spec[:i]))
+        if params.is_greedy:
+            targets = filtered.argmax(-1).tolist()
+            n = next((i for i, (d, t) in enumerate(zip(spec, targets)) if d != t), len(spec))
+            tokens = spec[:n] + [targets[n]]
+        else:
+            tokens = self._rejection_sample(filter_logits(filtered, [params] * len(rows)).softmax(-1), seq)
+        lps = [_logprobs(rows[i], [t], params.logprobs) for i, t in enumerate(tokens)]
+        return tokens, None if params.logprobs is None else [lp[0] for lp in lps if lp is not None]
+
+    def _rejection_sample(self, probs: torch.Tensor, seq: ScheduledSequence) -> list[int]:
+        g = self._generator(seq, probs.device)
+        spec = seq.spec_token_ids
+        for i, d in enumerate(spec):
+            if torch.rand((), generator=g, device=probs.device).item() < probs[i, d].item():
+                continue
+            residual = probs[i].clone()
+            residual[d] = 0
+            if residual.sum() > 0:  # else p was (to rounding) all on d, which stays accepted
+                return spec[:i] + [int(torch.multinomial(residual, 1, generator=g))]
+        return spec + [int(torch.multinomial(probs[len(spec)], 1, generator=g))]
 
 
 def _logprobs(row: torch.Tensor, chosen: list[int], k: Optional[int]) -> Optional[list[dict[int, float]]]:

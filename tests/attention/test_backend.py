@@ -4,7 +4,9 @@ path this CPU runs (the portable one everywhere)."""
 import pytest
 import torch
 
-from kvserve.attention.backend import AttentionMetadata, attention
+from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.torch_backend import TorchAttentionBackend
+from kvserve.kv.storage import DenseKVStorage
 from tests.conftest import compiled_kernel, kernel_isas, make_engine
 
 
@@ -24,15 +26,22 @@ def build(B, H, KVH, D, BS, lens, dtype, seed=0):
     return q, k_cache, v_cache, torch.tensor(tables), torch.tensor(lens)
 
 
+def storage_of(k_cache, v_cache):
+    """A one-layer dense storage holding these tensors."""
+    nb, BS, KVH, D = k_cache.shape
+    storage = DenseKVStorage([0], 1, BS, KVH, D, k_cache.dtype, "cpu")
+    storage.k, storage.v, storage.num_blocks = [k_cache], [v_cache], nb
+    return storage
+
+
 def reference(q, k_cache, v_cache, tables, lens):
+    """The torch backend's decode over the same blocks (gathered, padded, masked)."""
     B, H, D = q.shape
-    L = tables.shape[1] * k_cache.shape[1]
-    mask = torch.zeros(B, 1, 1, L, dtype=q.dtype).masked_fill(
-        (torch.arange(L)[None] >= lens[:, None]).view(B, 1, 1, L), float("-inf"))
-    meta = AttentionMetadata(num_decode_tokens=B, decode_block_tables=tables, decode_mask=mask,
-                             decode_slots_per_block=k_cache.shape[1], decode_context_lens=lens)
-    k_new = torch.zeros(B, k_cache.shape[2], D, dtype=q.dtype)
-    return attention(q, k_new, k_new, (k_cache, v_cache), meta)
+    backend = TorchAttentionBackend(k_cache.shape[1], q.dtype)
+    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=B, decode_block_tables=tables,
+                                                    decode_context_lens=lens,
+                                                    decode_max_context=int(lens.max())))
+    return backend.decode(0, q, storage_of(k_cache, v_cache), meta, D ** -0.5)
 
 
 @pytest.fixture(scope="module", params=kernel_isas("paged_attention"))
@@ -82,5 +91,6 @@ def test_kernel_matches_reference_bf16(kernel):
 
 def test_torch_backend_can_be_forced(stories):
     compiled_kernel("paged_attention")
-    assert make_engine(stories, attention_backend="torch").runner.decode_kernel is None
-    assert make_engine(stories, attention_backend="cpu-kernel").runner.decode_kernel is not None
+    assert make_engine(stories, attention_backend="torch").runner.backend.name == "torch"
+    assert make_engine(stories, attention_backend="cpu-kernel").runner.backend.name == "cpu-kernel"
+    assert make_engine(stories).runner.backend.name == "cpu-kernel"  # auto, on CPU

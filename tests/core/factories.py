@@ -16,10 +16,11 @@ _ids = itertools.count()
 
 
 def make_request(tokens, max_tokens: int = 8, salt: Optional[str] = None, priority: int = 0,
-                 arrival: Optional[float] = None, rid: Optional[str] = None, **params) -> Request:
+                 arrival: Optional[float] = None, rid: Optional[str] = None, output=(), **params) -> Request:
     return Request(rid or f"r{next(_ids)}", list(tokens), SamplingParams(max_tokens=max_tokens, **params),
                    eos_token_ids=(), priority=priority,
-                   arrival_time=arrival if arrival is not None else float(next(_ids)), cache_salt=salt)
+                   arrival_time=arrival if arrival is not None else float(next(_ids)), cache_salt=salt,
+                   output_token_ids=list(output))
 
 
 def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True,
@@ -34,10 +35,12 @@ def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_model_len: int
 
 
 def fake_step(sched: Scheduler, next_token=lambda rid, n: 7) -> SchedulerOutput:
-    """Schedule, 'run' (each sampled request gets next_token), update, check integrity."""
+    """Schedule, 'run' (each sampled request gets next_token; at an n > 1 fork point each
+    further sample gets one too), update, check integrity."""
     out = sched.schedule()
-    sampled = {s.request_id: [next_token(s.request_id, i) for i in range(s.num_samples)]
-               for s in out.scheduled if s.num_samples}
-    sched.update(out, ModelRunnerOutput(sampled))
-    sched.kv.check_integrity()
+    sampled = {s.request_id: [next_token(s.request_id, 0)] for s in out.scheduled if s.num_samples}
+    forked = {s.request_id: [next_token(s.request_id, i) for i in range(1, s.num_samples)]
+              for s in out.scheduled if s.num_samples > 1}
+    sched.update(out, ModelRunnerOutput(sampled, forked_token_ids=forked))
+    sched.check_integrity()
     return out

@@ -40,7 +40,7 @@ def test_prefix_hit_shares_full_blocks_and_keeps_last_token_computed():
     admit(kv, a)
     b = make_request(list(range(12)))  # identical prompt: a full hit must leave one token
     blocks, n = kv.find_cached_prefix(b)
-    assert n == 8 and blocks == kv.block_table(a.request_id)[:2]
+    assert n == 8 and blocks == [kv.block_table(a.request_id)[:2]]  # one list per cache group
     c = make_request(list(range(8)) + [50, 51, 52])
     assert kv.find_cached_prefix(c)[1] == 8
     d = make_request([0, 1, 2, 9] + list(range(4, 12)))  # differs in block 0: nothing shared
@@ -122,7 +122,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         tokens = [prefix] * 3 + list(range(length))
         req = make_request(tokens, salt=salt)
         blocks, n = self.kv.find_cached_prefix(req)
-        for i, b in enumerate(blocks):
+        for i, b in enumerate(blocks[0]):
             assert self.kv.pool.blocks[b].token_ids == tuple(tokens[2 * i:2 * i + 2])
         assert n < len(tokens)
         if self.kv.allocate_slots(req, len(tokens) - n, blocks):
@@ -137,15 +137,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if self.kv.allocate_slots(req, 1):
             req.num_computed_tokens += 1
         else:
-            req.output_token_ids.pop()
+            req.truncate_output(req.num_output_tokens - 1)
         self.kv.take_copies()
 
     @precondition(lambda self: self.live)
     @rule(k=st.integers(0, 50))
     def fork(self, k):
         parent = self.live[k % len(self.live)]
-        child = make_request(parent.prompt_token_ids)
-        child.output_token_ids = list(parent.output_token_ids)
+        child = make_request(parent.prompt_token_ids, output=parent.output_token_ids)
         child.num_computed_tokens = parent.num_computed_tokens
         self.kv.fork(parent, child)
         self.live.append(child)

@@ -129,8 +129,9 @@ def test_n_samples_fork_the_prompt_blocks():
     out = sched.schedule()
     assert out.scheduled[0].num_samples == 3
     from kvserve.core.outputs import ModelRunnerOutput
-    sched.update(out, ModelRunnerOutput({req.request_id: [1, 2, 3]}))
-    children = [r for r in sched.running if r.parent_id == req.request_id]
+    sched.update(out, ModelRunnerOutput({req.request_id: [1]}, forked_token_ids={req.request_id: [2, 3]}))
+    children = req.group.members[1:]
+    assert [c.sample_index for c in children] == [1, 2] and all(c in sched.running for c in children)
     assert [c.output_token_ids for c in children] == [[2], [3]]
     table = sched.kv.block_table(req.request_id)
     assert all(sched.kv.block_table(c.request_id) == table for c in children)

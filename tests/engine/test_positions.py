@@ -9,9 +9,9 @@ def record_positions(engine):
     seen = []
     forward = engine.model.forward
 
-    def spy(input_ids, positions, meta, kv_cache):
+    def spy(input_ids, positions, ctx):
         seen.append(positions.tolist())
-        return forward(input_ids, positions, meta, kv_cache)
+        return forward(input_ids, positions, ctx)
 
     engine.model.forward = spy
     return seen
@@ -32,13 +32,16 @@ def test_a_wrong_offset_changes_the_logits(stories):
     """The position test above matters: feeding a decode token one position off changes the
     next-token logits, so an off-by-one in the runner could not go unnoticed."""
     from kvserve.attention.backend import AttentionMetadata, PrefillSpan
-    model = make_engine(stories).model
+    from kvserve.attention.layer import ForwardContext
+    engine = make_engine(stories)
+    model = engine.model
     ids = stories.tokenizer.encode("Once upon a time there was a girl")
     T = len(ids)
 
     def last_logits(positions):
-        meta = AttentionMetadata(prefills=[PrefillSpan(0, T, T)])
-        return model.compute_logits(model(torch.tensor(ids), torch.tensor(positions), meta, None)[-1:])
+        meta = engine.runner.backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]))
+        hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(None, [meta]))
+        return model.compute_logits(hidden[-1:])
 
     right = last_logits(list(range(T)))
     wrong = last_logits(list(range(T - 1)) + [T])

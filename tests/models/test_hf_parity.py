@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from kvserve.attention.backend import AttentionMetadata, PrefillSpan
+from kvserve.attention.layer import ForwardContext, install
+from kvserve.attention.torch_backend import TorchAttentionBackend
 from tests.conftest import greedy, make_engine, run_collecting_logits
 
 transformers = pytest.importorskip("transformers")
@@ -40,9 +42,12 @@ def build_hf(tmp_path, kind, **kw):
 
 
 def full_logits(model, ids):
+    """One pass over the whole sequence, no cache, through the torch backend."""
     T = len(ids)
-    meta = AttentionMetadata(prefills=[PrefillSpan(0, T, T)])
-    hidden = model(torch.tensor(ids), torch.arange(T), meta, None)
+    backend = TorchAttentionBackend(16, torch.float32)
+    install(model, backend, [0] * model.config.num_hidden_layers)
+    meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]))
+    hidden = model(torch.tensor(ids), torch.arange(T), ForwardContext(None, [meta]))
     return model.compute_logits(hidden)
 
 

@@ -2,13 +2,13 @@ import pytest
 import torch
 
 from kvserve.core.outputs import ScheduledSequence
-from kvserve.runner.sampler import Sampler, apply_penalties, filter_logits
+from kvserve.runner.sampler import Sampler, TokenHistory, apply_penalties, filter_logits
 from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import make_llm
 
 
-def seq(rid, params, n=1, prompt=(), output=()):
-    return ScheduledSequence(rid, [1], 0, [], params, n, list(prompt), list(output), params.seed)
+def seq(rid, params, n=1, prompt=(), output=(), spec=()):
+    return ScheduledSequence(rid, [1], 0, (), params, n, list(prompt), list(output), params.seed, list(spec))
 
 
 @pytest.mark.parametrize("bad", [
@@ -33,12 +33,27 @@ def test_top_k_top_p_min_p_filtering():
     assert keep(SamplingParams(min_p=0.5)) == [True, True, False, False]
 
 
+def history(prompt, output, vocab=4):
+    h = TokenHistory(vocab, prompt, torch.device("cpu"))
+    h.catch_up(output)
+    return h
+
+
 def test_penalties():
     row = torch.tensor([2.0, -2.0, 1.0, 0.0])
-    out = apply_penalties(row.clone(), SamplingParams(repetition_penalty=2.0), [0], [1])
+    out = apply_penalties(row.clone(), SamplingParams(repetition_penalty=2.0), history([0], [1]))
     assert out.tolist() == [1.0, -4.0, 1.0, 0.0]
-    out = apply_penalties(row.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=1.0), [], [2, 2])
+    out = apply_penalties(row.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=1.0),
+                          history([], [2, 2]))
     assert out.tolist() == [2.0, -2.0, -1.5, 0.0]
+
+
+def test_token_history_grows_in_place_and_copies_with_proposals():
+    h = history([3], [1])
+    h.catch_up([1, 2, 2])  # two new tokens since the last step
+    assert h.counts.tolist() == [0, 1, 2, 0] and h.seen.tolist() == [False, True, True, True]
+    more = h.with_tokens([0, 2])
+    assert more.counts.tolist() == [1, 1, 3, 0] and h.counts.tolist() == [0, 1, 2, 0]
 
 
 @pytest.mark.parametrize("params", [

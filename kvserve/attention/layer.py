@@ -1,0 +1,42 @@
+"""Attention as a model sees it: a module per layer that hands q, k, v to the engine's backend
+with its cache group's metadata. The runner installs the backend and each layer's group once
+(`install`); a model file never knows which backend or cache layout it runs on."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.kv.storage import KVStorage
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass attends through: the cache, and the step's metadata per cache group."""
+
+    storage: Optional[KVStorage]
+    metadata: Sequence[AttentionMetadata]
+
+
+class Attention(nn.Module):
+    def __init__(self, layer_idx: int, scale: float) -> None:
+        super().__init__()
+        self.layer_idx, self.scale = layer_idx, scale
+        self.backend: Optional[AttentionBackend] = None
+        self.group = 0
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [T, heads, hd], k/v [T, kv_heads, hd] (after RoPE) -> [T, heads, hd]."""
+        assert self.backend is not None, "the runner installs an attention backend before a forward pass"
+        return self.backend.forward(self.layer_idx, q, k, v, ctx.storage, ctx.metadata[self.group], self.scale)
+
+
+def install(model: nn.Module, backend: AttentionBackend, layer_group: Sequence[int]) -> None:
+    """Give every attention layer of the model the backend and its cache group."""
+    for m in model.modules():
+        if isinstance(m, Attention):
+            m.backend, m.group = backend, layer_group[m.layer_idx]

@@ -1,0 +1,167 @@
+"""Cache groups: layers that share block tables.
+
+A model's layers fall into groups by how they attend (every layer of a Llama attends to the
+whole sequence: one group; a model with sliding-window layers between full ones has a group of
+each). A request holds one block table per group, all drawn from the one BlockPool:
+
+    positions        0..15   16..31  32..47  48..
+    full group       [  7  |   3   |   9   |  12 ]      every block kept
+    window group     [null | null  |   4   |  11 ]      blocks behind the window given back
+
+Table entry i always covers positions [i * block_size, (i + 1) * block_size), so a slot is found
+the same way in every group; a group that gives a block back leaves the null block in its place.
+The layers' cache tensors are shared across groups (tensor j holds the j-th layer of every
+group), so a block id names one row per tensor, used by whichever group holds the block.
+
+`CacheGroup` states the contract; `FullAttentionGroup` keeps every block. Kinds that give blocks
+back (sliding windows) override `remove_skipped_blocks` and `num_blocks_to_hold`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from kvserve.core.block_math import block_offset, num_blocks_for
+from kvserve.core.block_pool import BlockPool
+
+
+@dataclass(frozen=True)
+class CacheGroupSpec:
+    """A kind of attention and the layers that have it."""
+
+    kind: str  # "full"
+    layers: tuple[int, ...]
+
+
+class CacheGroup:
+    """The block tables of one group, over the shared pool.
+
+    Contract: `tables[request_id][i]` is the block holding positions [i*bs, (i+1)*bs) of that
+    request in this group's layers (or the null block where the group gave the block back);
+    a table never holds more blocks than its request's tokens need. Every change at index i
+    lowers `_synced[request_id]` to at most i, so the runner can be told only what changed.
+    """
+
+    def __init__(self, index: int, spec: CacheGroupSpec, pool: BlockPool, block_size: int) -> None:
+        self.index, self.spec, self.pool, self.block_size = index, spec, pool, block_size
+        self.tables: dict[str, list[int]] = {}
+        self._synced: dict[str, int] = {}  # leading entries the runner already has
+
+    # ---- queries ----
+    def table(self, request_id: str) -> list[int]:
+        return self.tables.get(request_id, [])
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        """Blocks to take so the table covers num_tokens positions."""
+        return max(num_blocks_for(num_tokens, self.block_size) - len(self.table(request_id)), 0)
+
+    def needs_copy_on_write(self, request_id: str, num_computed: int, num_new: int) -> bool:
+        """Writing into a partially filled last block that another table shares."""
+        table = self.table(request_id)
+        return (num_new > 0 and bool(table) and block_offset(num_computed, self.block_size) != 0
+                and table[-1] != self.pool.null_block_id and self.pool.blocks[table[-1]].ref_cnt > 1)
+
+    def held_blocks(self, request_id: str) -> Iterator[int]:
+        """The pool blocks the request holds in this group (null entries skipped)."""
+        return (b for b in self.table(request_id) if b != self.pool.null_block_id)
+
+    # ---- mutations ----
+    def add_cached(self, request_id: str, blocks: list[int]) -> None:
+        """A prefix hit on admission: the table starts with these (already cached) blocks."""
+        self.pool.ref(blocks)
+        self.tables.setdefault(request_id, []).extend(blocks)
+
+    def copy_last_block(self, request_id: str) -> tuple[int, int]:
+        """Copy-on-write: the shared last block is replaced by a private copy. Returns (src, dst)."""
+        table = self.tables[request_id]
+        shared = table[-1]
+        (private,) = self.pool.take(1)
+        self.pool.release([shared])
+        table[-1] = private
+        self._mark(request_id, len(table) - 1)
+        return shared, private
+
+    def grow(self, request_id: str, num_tokens: int) -> None:
+        """Take new blocks so the table covers num_tokens positions."""
+        n = self.num_new_blocks(request_id, num_tokens)
+        self.tables.setdefault(request_id, []).extend(self.pool.take(n))
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the blocks past those num_tokens positions need, tail first (a rollback).
+        A kept last block cut in the middle will be written again: if it was registered as a
+        full block and is this table's alone, its hash is forgotten (the cache must not offer
+        content that is about to change); if it is shared, the next write copies it."""
+        table = self.tables.get(request_id)
+        if table is None:
+            return
+        keep = num_blocks_for(num_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.release(reversed(table[keep:]))
+            del table[keep:]
+            self._mark(request_id, keep)
+        if table and block_offset(num_tokens, self.block_size) and table[-1] != self.pool.null_block_id:
+            if self.pool.blocks[table[-1]].ref_cnt == 1:
+                self.pool.forget_hash(table[-1])
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        """Give back blocks attention will never read again; full attention reads them all."""
+
+    def set_table(self, request_id: str, blocks: list[int]) -> None:
+        """A table that comes back whole (swap in); the runner is sent all of it."""
+        self.tables[request_id] = blocks
+        self._synced[request_id] = 0
+
+    def pop(self, request_id: str) -> list[int]:
+        """Forget the request's table (freed or swapped out); returns it."""
+        self._synced.pop(request_id, None)
+        return self.tables.pop(request_id, [])
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        blocks = list(self.table(parent_id))
+        self.pool.ref(blocks)
+        self.tables[child_id] = blocks
+
+    def take_update(self, request_id: str) -> Optional[tuple[int, list[int]]]:
+        """What changed in the table since the last call: (first changed index, the entries
+        from there on), or None when nothing did. Costs the changed entries only."""
+        table = self.table(request_id)
+        start = self._synced.get(request_id, 0)
+        if start == len(table) and request_id in self._synced:
+            return None
+        self._synced[request_id] = len(table)
+        return start, table[start:]
+
+    def _mark(self, request_id: str, index: int) -> None:
+        if request_id in self._synced:
+            self._synced[request_id] = min(self._synced[request_id], index)
+
+
+class FullAttentionGroup(CacheGroup):
+    """Layers that attend to every earlier token: every block is kept."""
+
+
+def layer_maps(groups: tuple[CacheGroupSpec, ...], num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the group of each layer, the cache tensor of each layer): the j-th layer of every group
+    shares tensor j, so all groups must have as many layers.
+
+    layer_maps((CacheGroupSpec("full", (0, 2)), CacheGroupSpec("full", (1, 3))), 4)
+        == ((0, 1, 0, 1), (0, 0, 1, 1))
+    """
+    sizes = {len(g.layers) for g in groups}
+    if len(sizes) != 1:
+        raise ValueError(f"cache groups must have equally many layers, got {sorted(sizes)}")
+    layer_group, layer_tensor = [-1] * num_layers, [-1] * num_layers
+    for gi, spec in enumerate(groups):
+        for j, layer in enumerate(spec.layers):
+            layer_group[layer], layer_tensor[layer] = gi, j
+    if -1 in layer_group:
+        raise ValueError(f"layers {[i for i, g in enumerate(layer_group) if g < 0]} are in no cache group")
+    return tuple(layer_group), tuple(layer_tensor)
+
+
+def make_group(index: int, spec: CacheGroupSpec, pool: BlockPool, block_size: int) -> CacheGroup:
+    kinds = {"full": FullAttentionGroup}
+    if spec.kind not in kinds:
+        raise ValueError(f"unknown cache group kind {spec.kind!r}; known: {sorted(kinds)}")
+    return kinds[spec.kind](index, spec, pool, block_size)
