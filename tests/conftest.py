@@ -27,6 +27,29 @@ def stories(stories_path: str):
     return load_weights(stories_path)
 
 
+def random_llama(num_layers: int = 4, vocab: int = 128, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                 max_len: int = 256, seed: int = 0) -> Any:
+    """A Llama with random weights (scaled so greedy paths are not degenerate), no tokenizer."""
+    import torch
+    from kvserve.config import ModelConfig
+    from kvserve.models.llama import LlamaForCausalLM
+    from kvserve.models.loaders.base import LoadedModel
+    config = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=max_len, name=f"random-llama-{seed}")
+    with torch.device("meta"):
+        shapes = {k: v.shape for k, v in LlamaForCausalLM(config).state_dict().items()}
+    g = torch.Generator().manual_seed(seed)
+    sd = {k: (torch.ones(shape) if k.endswith("norm.weight") else torch.randn(shape, generator=g) * 0.2)
+          for k, shape in shapes.items()}
+    return LoadedModel(config, sd, None, config.name)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    return random_llama()
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from kvserve.models.registry import load_weights

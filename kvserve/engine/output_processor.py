@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from kvserve.core.request import Request
+from kvserve.core.request import Request, RequestGroup
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.tokenizer.base import Tokenizer
 
@@ -36,12 +36,14 @@ class RequestState:
     prompt_token_ids: list[int]
     params: SamplingParams
     metrics: RequestMetrics
+    group: RequestGroup
     samples: dict[int, SampleState] = field(default_factory=dict)
     error: Optional[str] = None
 
     @property
     def finished(self) -> bool:
-        return len(self.samples) == self.params.n and all(
+        """Every member of the request's group (n samples, or more after forks) has ended."""
+        return len(self.samples) == len(self.group.members) and all(
             s.finish_reason is not None for s in self.samples.values())
 
 
@@ -53,7 +55,7 @@ class OutputProcessor:
     def add(self, req: Request, prompt: Optional[str]) -> None:
         self.states[req.request_id] = RequestState(
             req.request_id, prompt, req.prompt_token_ids, req.sampling_params,
-            RequestMetrics(req.arrival_time))
+            RequestMetrics(req.arrival_time), req.group)  # type: ignore[arg-type]
 
     def process(self, req: Request) -> Optional[str]:
         """Fold a request's new tokens into its sample; returns the stop string it hit, if any."""

@@ -75,13 +75,20 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
-        self.forget(out.finished_request_ids)
-        if out.is_empty:
+        inp = self.prepare_step(out)
+        if inp is None:
             return ModelRunnerOutput({})
-        self._apply_table_updates(out.scheduled)
-        inp = self.prepare(out.scheduled)
         hidden = self.model(inp.input_ids, inp.positions, inp.ctx)
         return self._sample(hidden, inp)
+
+    def prepare_step(self, out: SchedulerOutput) -> Optional[ModelInput]:
+        """The step's bookkeeping and inputs (no block copies, no model): forget finished
+        requests, apply the table changes, build the tensors. None for an empty step."""
+        self.forget(out.finished_request_ids)
+        if out.is_empty:
+            return None
+        self._apply_table_updates(out.scheduled)
+        return self.prepare(out.scheduled)
 
     def forget(self, request_ids: Sequence[str]) -> None:
         self.sampler.forget(request_ids)
