@@ -99,3 +99,46 @@ def test_hub_id_offline_fails_naming_the_id(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ModelLoadError, match="some-org/some-model"):
         load_weights("some-org/some-model")
+
+
+def test_gguf_file_reads_what_the_gguf_package_reads(tmp_path):
+    """Every metadata value type and the tensor types we dequantize ourselves (F32, F16, BF16,
+    Q8_0, Q4_0, Q4_1) plus one we hand to gguf.quants (Q5_0), against the gguf package's reader."""
+    import gguf
+    import numpy as np
+    from kvserve.models.loaders.gguf_file import GGUFFile
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint8("k.u8", 7), w.add_int16("k.i16", -3), w.add_uint32("k.u32", 1 << 31)
+    w.add_int64("k.i64", -(1 << 40)), w.add_float32("k.f32", 0.25), w.add_float64("k.f64", 1e-300)
+    w.add_bool("k.bool", True), w.add_string("k.str", "héllo")
+    w.add_array("k.strs", ["a", "", "ünï"]), w.add_array("k.ints", [1, -2, 3]), w.add_array("k.floats", [0.5, 2.0])
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((6, 64)) * 3).astype(np.float32)
+    types = [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
+             gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
+             gguf.GGMLQuantizationType.Q5_0]
+    for kind in types:
+        w.add_tensor(f"t.{kind.name}", gguf.quants.quantize(data, kind), raw_dtype=kind)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    ours, theirs = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    for key, field in theirs.fields.items():
+        if not key.startswith("GGUF."):
+            assert ours.metadata[key] == field.contents(), key
+    for mine, ref in zip(ours.tensors, theirs.tensors):
+        expected = torch.from_numpy(gguf.quants.dequantize(ref.data, ref.tensor_type).copy())
+        got = ours.dequantize(mine)
+        assert mine.name == ref.name and got.shape == (6, 64) and torch.equal(got, expected), mine.name
+
+
+def test_truncated_gguf_is_refused(tmp_path, smollm2_path):
+    cut = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(1 << 20))  # the header and part of the tokenizer only
+    with pytest.raises(ModelLoadError, match="not a readable GGUF file"):
+        load_weights(str(cut))
+    with open(smollm2_path, "rb") as f:
+        cut.write_bytes(f.read(40 << 20))  # the header whole, the tensor data cut short
+    with pytest.raises(ModelLoadError, match="truncated"):
+        load_weights(str(cut))

@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp): metadata, quantized tensors dequantized to fp32, and the tokenizer.
+"""GGUF files (llama.cpp): metadata, quantized tensors dequantized to fp32, and the tokenizer
+(the file itself is read by gguf_file.GGUFFile).
 
 llama.cpp's converter permutes Llama Q/K rows for its interleaved RoPE; loading undoes that so
 the model rotates halves like Hugging Face. Qwen2 files are stored unpermuted (NEOX RoPE).
@@ -14,6 +15,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError, interleaved_to_half_rope
+from kvserve.models.loaders.gguf_file import GGUFFile
 from kvserve.tokenizer.hf import HFTokenizer, from_gguf_bpe
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -27,23 +29,15 @@ LAYER_RENAMES = {
 GLOBAL_RENAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def _reader(path: str):  # type: ignore[no-untyped-def]
+def _open(path: str) -> GGUFFile:
     try:
-        import gguf
-    except ImportError as e:
-        raise ModelLoadError("reading GGUF files needs the 'gguf' package: pip install gguf") from e
-    try:
-        return gguf.GGUFReader(path)
+        return GGUFFile(path)
     except Exception as e:
         raise ModelLoadError(f"{path}: not a readable GGUF file ({e})") from e
 
 
-def _fields(reader) -> dict[str, Any]:  # type: ignore[no-untyped-def]
-    return {k: f.contents() for k, f in reader.fields.items()}
-
-
 def read_config(path: str, meta: dict[str, Any] | None = None) -> ModelConfig:
-    meta = meta if meta is not None else _fields(_reader(path))
+    meta = meta if meta is not None else _open(path).metadata
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"{path}: unsupported architecture {arch!r}; supported: {SUPPORTED_ARCHS}")
@@ -70,16 +64,15 @@ def read_config(path: str, meta: dict[str, Any] | None = None) -> ModelConfig:
 
 
 def load(path: str) -> LoadedModel:
-    import gguf
-    reader = _reader(path)
-    meta = _fields(reader)
+    f = _open(path)
+    meta = f.metadata
     cfg = read_config(path, meta)
     sd: dict[str, torch.Tensor] = {}
-    for t in reader.tensors:
+    for t in f.tensors:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).copy())
+        w = f.dequantize(t)
         sd[name] = _unpermute(name, w, cfg) if cfg.architecture in PERMUTED_ARCHS else w
     tied = "lm_head.weight" not in sd
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied,
