@@ -228,7 +228,7 @@ class Scheduler:
     def _num_spec_tokens(self, req: Request, budget: int) -> int:
         """How many of its proposals a decoding request verifies this step: within the budget,
         the context, and the output it may still produce (one more token always follows)."""
-        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1:
+        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1 or self._is_fork_point(req):
             return 0
         room = min(budget, self.max_model_len - req.num_tokens,
                    req.sampling_params.max_tokens - req.num_output_tokens - 1)
@@ -315,15 +315,19 @@ class Scheduler:
         params = req.sampling_params
         num_samples = 0
         if done:
-            assert req.group is not None
-            is_fork_point = (params.n > 1 and len(req.group.members) == 1 and req.num_output_tokens == 0)
-            num_samples = params.n if is_fork_point else 1
+            num_samples = params.n if self._is_fork_point(req) else 1
         spec, req.spec_token_ids = req.spec_token_ids[:num_spec], []
         return ScheduledSequence(
             req.request_id, req.all_token_ids[start:start + num_new], start,
             self.kv.take_table_updates(req.request_id), params, num_samples,
             req.prompt_token_ids, req.output_token_ids,
             None if params.seed is None else params.seed + req.sample_index, spec)
+
+    @staticmethod
+    def _is_fork_point(req: Request) -> bool:
+        """The step that samples the first output of an n > 1 request draws all n at once."""
+        assert req.group is not None
+        return req.sampling_params.n > 1 and len(req.group.members) == 1 and req.num_output_tokens == 0
 
     def _append(self, req: Request, tokens: list[int], logprobs: Optional[list[dict[int, float]]],
                 now: float) -> list[Request]:
