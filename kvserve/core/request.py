@@ -62,6 +62,7 @@ class Request:
     finish_time: Optional[float] = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals the next step verifies
+    num_truncations: int = 0  # output taken back this many times (readers of the output re-read)
     all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -104,6 +105,8 @@ class Request:
 
     def truncate_output(self, num_output_tokens: int) -> None:
         """Keep the first num_output_tokens output tokens (a rollback takes the rest back)."""
+        if num_output_tokens < self.num_output_tokens:
+            self.num_truncations += 1
         del self.output_token_ids[num_output_tokens:]
         del self.output_logprobs[num_output_tokens:]
         del self.all_token_ids[self.num_prompt_tokens + num_output_tokens:]

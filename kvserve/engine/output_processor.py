@@ -1,8 +1,8 @@
 """Requests -> RequestOutputs: detokenization, stop strings, streaming deltas, metrics.
 
-Text is decoded from all of a sample's output ids each time (exact for any tokenizer) and
-streamed as deltas. A delta holds back a trailing replacement character (an incomplete UTF-8
-sequence) and any tail that could still grow into a stop string.
+Text is decoded incrementally (IncrementalDetokenizer: a few tokens a step, whatever the
+output's length) and streamed as deltas. A delta holds back a trailing replacement character
+(an incomplete UTF-8 sequence) and any tail that could still grow into a stop string.
 """
 
 from __future__ import annotations
@@ -17,6 +17,42 @@ from kvserve.core.sampling_params import SamplingParams
 from kvserve.tokenizer.base import Tokenizer
 
 
+class IncrementalDetokenizer:
+    """The text of a growing token list, as `tokenizer.decode(ids)` gives it, decoding only a
+    window per call: the tokens added since the last complete character, after the previous
+    window (`prefix_offset:read_offset`) as context, so tokenizers that drop a leading space or
+    merge bytes across tokens decode the new tokens exactly as in the whole text:
+
+        committed text  |  decode(ids[prefix:]) minus decode(ids[prefix:read])  -> new text
+
+    New text that ends in an incomplete character stays pending (shown, not committed) until the
+    next token completes it. Where a window disagrees with its prefix (a normalizing decoder),
+    or the ids were cut back (a rollback), it decodes the whole list again."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.committed = ""
+        self.prefix_offset = self.read_offset = 0
+        self.num_truncations = 0
+
+    def text(self, ids: list[int], num_truncations: int = 0) -> str:
+        if num_truncations != self.num_truncations or len(ids) < self.read_offset:
+            self.__init__(self.tokenizer)  # type: ignore[misc]
+            self.num_truncations = num_truncations
+        decode = self.tokenizer.decode
+        prefix = decode(ids[self.prefix_offset:self.read_offset]) if self.read_offset > self.prefix_offset else ""
+        window = decode(ids[self.prefix_offset:])
+        if not window.startswith(prefix):
+            self.committed, self.prefix_offset, self.read_offset = decode(ids), len(ids), len(ids)
+            return self.committed
+        new = window[len(prefix):]
+        if new and not new.endswith("\ufffd"):
+            self.committed += new
+            self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+            return self.committed
+        return self.committed + new
+
+
 @dataclass
 class SampleState:
     index: int
@@ -27,6 +63,7 @@ class SampleState:
     stop_reason: Optional[str] = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[dict[int, float]]] = None
+    detokenizer: Optional[IncrementalDetokenizer] = None
 
 
 @dataclass
@@ -67,7 +104,9 @@ class OutputProcessor:
         if req.sampling_params.logprobs is not None:
             sample.logprobs = req.output_logprobs
         if self.tokenizer is not None:
-            sample.text = self.tokenizer.decode(req.output_token_ids)
+            if sample.detokenizer is None:
+                sample.detokenizer = IncrementalDetokenizer(self.tokenizer)
+            sample.text = sample.detokenizer.text(req.output_token_ids, req.num_truncations)
         hit = self._find_stop(sample, req.sampling_params)
         if req.is_finished and sample.finish_reason is None:
             sample.finish_reason, sample.stop_reason = req.finish_reason, req.stop_reason
