@@ -149,3 +149,13 @@ def test_length_and_stop_token_finish():
     sched.add_request(req2)
     run_to_end(sched)
     assert req2.finish_reason == "length" and req2.num_tokens == 64
+
+
+def test_token_lists_are_kept_not_rebuilt():
+    """A request's tokens are one list that grows in place: reading them each step costs nothing."""
+    req = make_request(range(5))
+    tokens = req.all_token_ids
+    req.append_token(9)
+    assert req.all_token_ids is tokens and tokens == [0, 1, 2, 3, 4, 9] and req.output_token_ids == [9]
+    req.truncate_output(0)
+    assert req.all_token_ids is tokens and tokens == [0, 1, 2, 3, 4] and req.num_truncations == 1
