@@ -28,6 +28,7 @@ from kvserve.core.block_math import blocks_in_budget
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput
 from kvserve.core.scheduler import Scheduler
+from kvserve.kv.formats import kv_format
 from kvserve.models.registry import KNOWN_CONFIGS
 from kvserve.core.request import Request
 from kvserve.core.sampling_params import SamplingParams
@@ -35,7 +36,7 @@ from kvserve.core.sampling_params import SamplingParams
 
 def memory_run(layout: str, budget: int, max_model_len: int, seed: int) -> dict:
     cfg = KNOWN_CONFIGS["smollm2-135m"]
-    per_token = int(cfg.kv_bytes_per_token("float32"))
+    per_token = int(kv_format("float32").bytes_per_token(cfg))
     block_size = 16 if layout == "paged" else max_model_len
     num_blocks = blocks_in_budget(budget, block_size * per_token)
     kv = KVCacheManager(num_blocks, block_size, enable_caching=False)

@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import DTYPE_BYTES, canonical_dtype
+from kvserve.config import canonical_dtype
 from kvserve.engine.args import add_engine_args, engine_options, make_engine, options_from
 
 
@@ -91,7 +91,7 @@ def generate_report(out: Any, elapsed: float, engine: Any) -> dict[str, Any]:
         "tpot_s": m.tpot(n), "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
         "kv_cache_bytes": m.kv_cache_bytes, "kv_blocks": m.num_kv_blocks,
         "cached_tokens": m.num_cached_tokens, "block_size": engine.plan.block_size,
-        "kv_bytes_per_token": engine.model_config.kv_bytes_per_token(engine.config.kv_dtype),
+        "kv_bytes_per_token": engine.plan.kv_format.bytes_per_token(engine.model_config, engine.plan.block_size),
     }
 
 
@@ -132,26 +132,32 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 
 # ---- memory ----
-def memory_report(model: str, context: Optional[int], batch: int, kv_dtype: str,
-                  block_size: int) -> dict[str, Any]:
+def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype: str,
+                  block_size: int, dtype: str = "float32") -> dict[str, Any]:
+    """The cache's cost from the same formula the engine sizes its cache by (kvserve.kv.formats)."""
     from kvserve.core.block_math import num_blocks_for
+    from kvserve.kv.formats import check_format, kv_format, mha_bytes_per_token
     from kvserve.models.registry import read_model_config
     cfg = read_model_config(model)
-    kv = canonical_dtype("float32" if kv_dtype == "auto" else kv_dtype)
+    fmt = kv_format(kv_cache_dtype, canonical_dtype(dtype))
+    check_format(fmt, cfg, block_size)
     ctx = context or cfg.max_position_embeddings
-    per_token = cfg.kv_bytes_per_token(kv)
-    mha = cfg.mha_kv_bytes_per_token(kv)
+    per_token = fmt.bytes_per_token(cfg, block_size)
+    mha = mha_bytes_per_token(fmt, cfg, block_size)
     blocks = num_blocks_for(ctx, block_size)
+    residual = fmt.residual_bytes_per_sequence(cfg, block_size, canonical_dtype(dtype))
+    fixed = fmt.fixed_bytes(cfg)
     return {
         "model": cfg.name, "layers": cfg.num_hidden_layers, "query_heads": cfg.num_attention_heads,
-        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "kv_dtype": kv,
-        "bytes_per_value": DTYPE_BYTES[kv], "scale_bytes_per_token": cfg.kv_scale_bytes_per_token(kv),
+        "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "kv_cache_dtype": fmt.name,
+        "bits_per_value": fmt.bits, "metadata_bytes_per_token": fmt.metadata_bytes_per_token(cfg, block_size),
         "bytes_per_token": per_token, "mha_bytes_per_token": mha,
+        "residual_bytes_per_sequence": residual, "fixed_bytes": fixed,
         "attention": _attention_kind(cfg.num_attention_heads, cfg.num_key_value_heads),
-        "context": ctx, "batch": batch, "total_bytes": per_token * ctx * batch,
+        "context": ctx, "batch": batch, "total_bytes": per_token * ctx * batch + residual * batch + fixed,
         "mha_total_bytes": mha * ctx * batch, "block_size": block_size,
         "block_bytes": per_token * block_size, "blocks_per_sequence": blocks,
-        "paged_total_bytes": per_token * block_size * blocks * batch,
+        "paged_total_bytes": per_token * block_size * blocks * batch + residual * batch + fixed,
     }
 
 
@@ -162,15 +168,19 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 
 
 def cmd_memory(a: argparse.Namespace) -> int:
-    r = memory_report(a.model, a.context, a.batch, a.kv_dtype, a.block_size)
+    r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"model {r['model']}: {r['layers']} layers, {r['query_heads']} query heads, "
           f"{r['kv_heads']} KV heads, head_dim {r['head_dim']} -> {r['attention']}")
-    scale = f" + {r['scale_bytes_per_token']:g} scale bytes" if r["scale_bytes_per_token"] else ""
-    print(f"KV per token ({r['kv_dtype']}): 2 x {r['layers']} x {r['kv_heads']} x {r['head_dim']} x "
-          f"{r['bytes_per_value']:g}{scale} = {r['bytes_per_token']:,.0f} bytes ({_human(r['bytes_per_token'])})")
+    meta = f" + {r['metadata_bytes_per_token']:g} bytes of scales" if r["metadata_bytes_per_token"] else ""
+    print(f"KV per token ({r['kv_cache_dtype']}): 2 x {r['layers']} x {r['kv_heads']} x {r['head_dim']} x "
+          f"{r['bits_per_value']}/8{meta} = {r['bytes_per_token']:,.0f} bytes ({_human(r['bytes_per_token'])})")
+    if r["residual_bytes_per_sequence"]:
+        print(f"  plus the block being filled, unquantized: {_human(r['residual_bytes_per_sequence'])} per sequence")
+    if r["fixed_bytes"]:
+        print(f"  plus fixed scales: {r['fixed_bytes']:,} bytes")
     print(f"  MHA-equivalent storage ({r['query_heads']} KV heads): {r['mha_bytes_per_token']:,.0f} bytes "
           f"per token ({r['mha_bytes_per_token'] / r['bytes_per_token']:.1f}x)")
     print(f"context {r['context']:,} x batch {r['batch']}: {r['total_bytes']:,.0f} bytes "
@@ -223,7 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default="SmolLM2-135M-Instruct", help="model file or a known name")
     m.add_argument("--context", type=int, default=None, help="tokens per sequence (default: model's)")
     m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--kv-dtype", default="auto", help="float32 | bfloat16 | float16 | fp8 | int8 | int4")
+    m.add_argument("--kv-cache-dtype", default="auto",
+                   help="auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4")
+    m.add_argument("--dtype", default="float32", help="the model dtype (what auto means)")
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_memory)

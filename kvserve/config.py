@@ -11,18 +11,14 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-# Bytes per element of each cache dtype the sizing formula knows. fp8 and int8 are one byte per
-# value; their per-block scales are counted separately where a quantized cache is used.
-DTYPE_BYTES: dict[str, float] = {
-    "float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "int8": 1, "int4": 0.5,
-}
-DTYPE_ALIASES = {
-    "fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
-    "float8": "fp8", "fp8_e4m3": "fp8",
-}
+# Bytes per element of the model dtypes. The KV cache's own formats (fp8, int8, int4 with their
+# scales) are costed in kvserve.kv.formats.
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
+KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
-QUANT_SCALE_BYTES = {"int8": 4, "int4": 4}  # per K or V head vector of one token
 
 
 def canonical_dtype(name: str) -> str:
@@ -30,6 +26,14 @@ def canonical_dtype(name: str) -> str:
     key = DTYPE_ALIASES.get(name.lower(), name.lower())
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
+    return key
+
+
+def canonical_kv_cache_dtype(name: str) -> str:
+    """'fp8' -> 'fp8_e4m3'; 'auto' stays; raises ValueError naming an unknown one."""
+    key = KV_CACHE_ALIASES.get(name.lower(), name.lower())
+    if key not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
     return key
 
 
@@ -91,22 +95,6 @@ class ModelConfig:
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
-    def kv_bytes_per_token(self, kv_dtype: str) -> float:
-        """2 (K and V) * layers * kv_heads * head_dim * bytes per value, plus the scales a
-        quantized cache stores (kv_scale_bytes_per_token)."""
-        return (2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim
-                * DTYPE_BYTES[canonical_dtype(kv_dtype)] + self.kv_scale_bytes_per_token(kv_dtype))
-
-    def kv_scale_bytes_per_token(self, kv_dtype: str) -> float:
-        """int8: one fp32 scale per head vector; int4: an fp16 scale and an fp16 zero point per
-        head vector; fp8 uses one scale per layer tensor (no per-token cost)."""
-        per_vector = QUANT_SCALE_BYTES.get(canonical_dtype(kv_dtype), 0)
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * per_vector
-
-    def mha_kv_bytes_per_token(self, kv_dtype: str) -> float:
-        """What the cache would cost if every query head had its own K/V head (plain MHA)."""
-        return self.kv_bytes_per_token(kv_dtype) * self.num_queries_per_kv
-
 
 @dataclass(frozen=True)
 class CacheConfig:
@@ -123,7 +111,8 @@ class CacheConfig:
     num_blocks: Optional[int] = None
     memory_bytes: Optional[int] = None  # budget for K and V of all layers
     memory_fraction: Optional[float] = None  # of the device's free memory
-    kv_dtype: str = "auto"  # "auto": the model dtype
+    kv_cache_dtype: str = "auto"  # "auto": the model dtype; fp8_e4m3, fp8_e5m2, int8, int4 quantize
+    kv_cache_scales: Optional[str] = None  # fp8: a JSON file of scales (default: calibrated at start)
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 1 << 30
 
@@ -140,12 +129,9 @@ class CacheConfig:
             raise ValueError(f"kv cache memory fraction must be in (0, 1], got {self.memory_fraction}")
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}")
-        if self.kv_dtype != "auto":
-            kv = canonical_dtype(self.kv_dtype)
-            if kv not in MODEL_DTYPES:
-                raise ValueError(f"kv dtype {self.kv_dtype!r} is not supported for a live cache; "
-                                 f"choose auto or one of {MODEL_DTYPES}")
-            object.__setattr__(self, "kv_dtype", kv)
+        object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
+            raise ValueError(f"kv cache scales are for the fp8 kv cache dtypes, not {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)
@@ -200,5 +186,6 @@ class EngineConfig:
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
     @property
-    def kv_dtype(self) -> str:
-        return self.dtype if self.cache.kv_dtype == "auto" else self.cache.kv_dtype
+    def kv_cache_dtype(self) -> str:
+        """The cache's format: the model dtype for "auto"."""
+        return self.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype

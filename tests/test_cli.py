@@ -17,7 +17,7 @@ def run_cli(*args):
 
 def test_memory_smollm2_per_token_bytes(capsys, smollm2_path):
     for dtype, expected in (("float32", 46080), ("bf16", 23040)):
-        assert main(["memory", "--model", smollm2_path, "--kv-dtype", dtype, "--json"]) == 0
+        assert main(["memory", "--model", smollm2_path, "--kv-cache-dtype", dtype, "--json"]) == 0
         r = json.loads(capsys.readouterr().out)
         assert r["bytes_per_token"] == expected == 2 * 30 * 3 * 64 * (4 if dtype == "float32" else 2)
         assert r["mha_bytes_per_token"] == expected * 3
@@ -31,7 +31,7 @@ def test_memory_named_configs_and_quantized_scales(capsys):
     assert main(["memory", "--model", "llama-2-7b", "--json", "--context", "4096"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["bytes_per_token"] == 2 * 32 * 32 * 128 * 4 and r["attention"] == "MHA"
-    assert main(["memory", "--model", "llama-3-8b", "--kv-dtype", "int8", "--json"]) == 0
+    assert main(["memory", "--model", "llama-3-8b", "--kv-cache-dtype", "int8", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["bytes_per_token"] == 2 * 32 * 8 * 128 * 1 + 2 * 32 * 8 * 4  # values + one fp32 scale per head vector
 

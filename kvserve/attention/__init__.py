@@ -23,12 +23,13 @@ def select(name: str, storage: Optional[KVStorage], device: torch.device, block_
     Asking for one that cannot run here is a ValueError naming why."""
     from kvserve.attention import cpu_kernel
     from kvserve.attention.torch_backend import TorchAttentionBackend
-    if name == "torch" or (name == "auto" and not cpu_kernel.CpuKernelAttentionBackend.supports(storage, device)):
+    supported = cpu_kernel.CpuKernelAttentionBackend.supports(storage, device, dtype)
+    if name == "torch" or (name == "auto" and not supported):
         return TorchAttentionBackend(block_size, dtype)
     if name not in ("auto", "cpu-kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKENDS}")
-    if not cpu_kernel.CpuKernelAttentionBackend.supports(storage, device):
-        raise ValueError("attention backend 'cpu-kernel' runs on CPU over a paged cache only")
+    if not supported:
+        raise ValueError("attention backend 'cpu-kernel' runs on CPU over a cache of the model's dtype only")
     fn = cpu_kernel.decode_fn()
     if fn is None:
         if name == "cpu-kernel":

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -40,6 +40,7 @@ class AttentionMetadata:
     """One cache group's view of a step, shared by every backend."""
 
     slot_mapping: Optional[torch.Tensor] = None  # [T]: where each new K/V goes; None: no cache
+    kv_write_plan: Any = None  # the storage's plan for this step's writes (storage.plan_writes)
     num_decode_tokens: int = 0  # rows [0, num_decode_tokens) are single-token decodes
     decode_block_tables: Optional[torch.Tensor] = None  # [B, max_blocks], padded with the null block
     decode_context_lens: Optional[torch.Tensor] = None  # [B]
@@ -62,7 +63,7 @@ class AttentionBackend(ABC):
     def write_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor, storage: Optional[KVStorage],
                  meta: AttentionMetadata) -> None:
         if storage is not None and meta.slot_mapping is not None:
-            storage.write(layer, k, v, meta.slot_mapping)
+            storage.write(layer, k, v, meta.kv_write_plan)
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

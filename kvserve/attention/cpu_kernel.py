@@ -34,14 +34,15 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         self.paged_decode = decode
 
     @staticmethod
-    def supports(storage: Optional[KVStorage], device: torch.device) -> bool:
-        return device.type == "cpu" and isinstance(storage, DenseKVStorage)
+    def supports(storage: Optional[KVStorage], device: torch.device, dtype: torch.dtype) -> bool:
+        """CPU, and a dense cache in the model's dtype."""
+        return device.type == "cpu" and isinstance(storage, DenseKVStorage) and storage.dtype == dtype
 
     def _decode_mask(self, meta: TorchAttentionMetadata) -> None:
         """The kernel reads each context's exact length: no padding mask to build."""
 
     def decode(self, layer: int, q: torch.Tensor, storage: KVStorage, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        k_cache, v_cache = storage.layer_tensors(layer)
-        return self.paged_decode(q.contiguous(), k_cache, v_cache, meta.decode_block_tables,
+        t = storage.layer_tensors(layer)
+        return self.paged_decode(q.contiguous(), t["k"], t["v"], meta.decode_block_tables,
                                  meta.decode_context_lens, scale)

@@ -45,6 +45,7 @@ class BlockPool:
         self._free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
         self.num_evictions = 0
+        self.released: list[int] = []  # blocks that reached ref_cnt 0 since take_released()
 
     # ---- queries (never mutate) ----
     @property
@@ -121,6 +122,7 @@ class BlockPool:
                 raise RuntimeError(f"block {block_id} released more often than referenced")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                self.released.append(block_id)
                 self._free_queue[block_id] = None
                 if block.block_hash is None:
                     self._free_queue.move_to_end(block_id, last=False)
@@ -133,6 +135,12 @@ class BlockPool:
             return
         block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
         self._cached[block_hash] = block_id
+
+    def take_released(self) -> list[int]:
+        """The blocks nobody references any more since the last call (a storage that keeps state
+        per block, such as int4's open blocks, forgets theirs)."""
+        released, self.released = self.released, []
+        return released
 
     def forget_hash(self, block_id: int) -> None:
         """Unregister a block that its only holder is about to overwrite (after a rollback)."""

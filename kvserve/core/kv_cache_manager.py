@@ -11,7 +11,7 @@ Copies it decides on (copy-on-write, swaps) are queued for the runner as (src, d
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from kvserve.core.block_hash import BlockHash, hash_full_blocks, root_hash
@@ -25,14 +25,17 @@ TableUpdate = Optional[tuple[int, list[int]]]  # (first changed entry, entries f
 
 @dataclass
 class BlockCopies:
-    """Block copies the runner performs before the step's forward pass, in this order."""
+    """What the runner does to the cache's blocks before the step's forward pass, in this
+    order: swap out, forget released blocks, swap in, copy on write."""
 
     swap_out: list[tuple[int, int]]  # (device block, cpu block)
     swap_in: list[tuple[int, int]]  # (cpu block, device block)
     copy_on_write: list[tuple[int, int]]  # (shared device block, its private copy)
+    released: list[int] = field(default_factory=list)  # device blocks nobody references now
+    released_cpu: list[int] = field(default_factory=list)  # likewise in the CPU pool
 
     def __bool__(self) -> bool:
-        return bool(self.swap_out or self.swap_in or self.copy_on_write)
+        return bool(self.swap_out or self.swap_in or self.copy_on_write or self.released or self.released_cpu)
 
 
 def single_group(num_layers: int) -> tuple[CacheGroupSpec, ...]:
@@ -206,6 +209,9 @@ class KVCacheManager:
 
     def take_copies(self) -> BlockCopies:
         copies, self._copies = self._copies, BlockCopies([], [], [])
+        copies.released = self.pool.take_released()
+        if self.cpu_pool is not None:
+            copies.released_cpu = self.cpu_pool.take_released()
         return copies
 
     def take_table_updates(self, request_id: str) -> tuple[TableUpdate, ...]:

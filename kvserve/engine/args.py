@@ -46,7 +46,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
-    g.add_argument("--kv-dtype", default="auto", help="cache dtype (auto: the model dtype)")
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
+                        "fp8_e5m2, int8 or int4 (see the README's memory section)")
+    g.add_argument("--kv-cache-scales", default=None,
+                   help="fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
     g.add_argument("--block-size", type=int, default=16)
@@ -72,7 +76,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine arguments as the flat options `engine_config` takes (the model apart)."""
     opts: dict[str, Any] = dict(
-        tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_dtype=a.kv_dtype,
+        tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+        kv_cache_scales=a.kv_cache_scales,
         max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
         num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,
         use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,

@@ -22,7 +22,8 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
-from kvserve.kv.storage import DenseKVStorage, KVStorage
+from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
+from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
 from kvserve.kv.sizing import CachePlan, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
@@ -77,13 +78,15 @@ class LLMEngine:
         self.model_id = loaded.model_id
         groups = cache_groups(loaded.config)
         layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
-        self.plan = plan_cache(config.cache, loaded.config, config.kv_dtype, self.max_model_len,
-                               config.scheduler.max_num_seqs, config.device, len(groups))
+        self.plan = plan_cache(config.cache, loaded.config, config.kv_cache_dtype, self.max_model_len,
+                               config.scheduler.max_num_seqs, config.device, len(groups), config.dtype)
         self.storage, swap_storage = self._allocate_cache(self.plan, layer_tensor)
+        self._set_fp8_scales(self.storage, swap_storage)
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
                                  self.plan.num_cpu_blocks if swap_storage is not None else 0,
-                                 namespace=(self.model_id, config.dtype, config.kv_dtype, None), groups=groups)
+                                 namespace=(self.model_id, config.dtype, config.kv_cache_dtype, None),
+                                 groups=groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         layout = CacheLayout(layer_group, len(groups), self.plan.block_size, self.plan.num_blocks,
                              self.max_model_len)
@@ -106,14 +109,26 @@ class LLMEngine:
         """The cache (the pool's blocks and the null block) and, for swap preemption, its CPU pool."""
         if not self.config.use_cache:
             return None, None
-        c, dtype = self.model_config, getattr(torch, self.config.kv_dtype)
-        cache = DenseKVStorage(layer_tensor, plan.num_blocks + 1, plan.block_size,
-                               c.num_key_value_heads, c.head_dim, dtype, self.config.device)
+        c, fmt = self.model_config, plan.kv_format
+        args = (fmt.kind, fmt.name, layer_tensor)
+        shape = (plan.block_size, c.num_key_value_heads, c.head_dim, getattr(torch, self.config.dtype))
+        cache = make_storage(*args, plan.num_blocks + 1, *shape, self.config.device, plan.num_residual_slots)
         swap = None
         if self.config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
-            swap = DenseKVStorage(layer_tensor, plan.num_cpu_blocks, plan.block_size,
-                                  c.num_key_value_heads, c.head_dim, dtype, "cpu")
+            swap = make_storage(*args, plan.num_cpu_blocks, *shape, "cpu", plan.num_residual_slots)
         return cache, swap
+
+    def _set_fp8_scales(self, *storages: Optional[KVStorage]) -> None:
+        """fp8 scales: from the given file, or calibrated now (kvserve.kv.calibrate)."""
+        fp8 = [s for s in storages if isinstance(s, Fp8KVStorage)]
+        if not fp8:
+            return
+        c = self.model_config
+        path = self.config.cache.kv_cache_scales
+        scales = (read_fp8_scales(path, c.num_hidden_layers, c.num_key_value_heads) if path else
+                  calibrate_fp8(self.model, self.tokenizer, self.plan.kv_format.name))
+        for storage in fp8:
+            storage.set_scales(scales)
 
     # ---- requests ----
     def encode(self, prompt: Prompt) -> list[int]:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.core.block_math import blocks_in_budget, num_blocks_for
+from kvserve.kv.formats import KVFormat, check_format, kv_format
 
 DEFAULT_CPU_BUDGET = 4 << 30  # like vLLM's CPU backend default KV space
 DEFAULT_GPU_FRACTION = 0.9
@@ -23,11 +24,16 @@ class CachePlan:
     num_blocks: int
     block_bytes: int
     num_cpu_blocks: int
+    kv_format: KVFormat
+    num_residual_slots: int = 0  # int4: one open block per sequence, in the model's dtype
+    residual_slot_bytes: int = 0
+    fixed_bytes: int = 0  # fp8: the scales
 
     @property
     def total_bytes(self) -> int:
-        """The cache's bytes: the pool's blocks and the null block."""
-        return (self.num_blocks + 1) * self.block_bytes
+        """The cache's bytes: the pool's blocks, the null block, residual slots and scales."""
+        return ((self.num_blocks + 1) * self.block_bytes + self.num_residual_slots * self.residual_slot_bytes
+                + self.fixed_bytes)
 
 
 def free_device_memory(device: str) -> int:
@@ -42,12 +48,18 @@ def free_device_memory(device: str) -> int:
     raise RuntimeError("cannot read available memory from /proc/meminfo")
 
 
-def plan_cache(cache: CacheConfig, model: ModelConfig, kv_dtype: str, max_model_len: int,
-               max_num_seqs: int, device: str, num_groups: int = 1) -> CachePlan:
+def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_model_len: int,
+               max_num_seqs: int, device: str, num_groups: int = 1, model_dtype: str = "float32") -> CachePlan:
     """num_blocks is the pool's; the cache holds one more (the null block), and a budget pays
-    for it too."""
+    for it too, and for what the format keeps besides blocks (int4's residual slots, one per
+    sequence; fp8's scales)."""
+    fmt = kv_format(kv_cache_dtype, model_dtype)
     block_size = max_model_len if cache.layout == "contiguous" else cache.block_size
-    block_bytes = int(block_size * model.kv_bytes_per_token(kv_dtype)) // num_groups
+    check_format(fmt, model, block_size, cache.layout)
+    block_bytes = int(block_size * fmt.bytes_per_token(model, block_size)) // num_groups
+    residual_slots = max_num_seqs if fmt.kind == "int4" else 0
+    residual_slot_bytes = fmt.residual_bytes_per_sequence(model, block_size, model_dtype) // num_groups
+    extra = residual_slots * residual_slot_bytes + fmt.fixed_bytes(model)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -59,11 +71,11 @@ def plan_cache(cache: CacheConfig, model: ModelConfig, kv_dtype: str, max_model_
             budget = int(free_device_memory(device) * DEFAULT_GPU_FRACTION)
         else:
             budget = min(DEFAULT_CPU_BUDGET, free_device_memory(device) // 4)
-        num_blocks = blocks_in_budget(budget, block_bytes) - 1  # the null block
+        num_blocks = blocks_in_budget(budget - extra, block_bytes) - 1  # the null block
         if num_blocks < 1:
             raise ValueError(f"a KV cache budget of {budget} bytes holds no block besides the null "
                              f"block ({block_bytes} bytes each); raise --kv-cache-memory")
         # more blocks than every seat filled to the context length can never be used at once
         num_blocks = min(num_blocks, max_num_seqs * num_groups * num_blocks_for(max_model_len, block_size) + 1)
-    return CachePlan(block_size, num_blocks, block_bytes,
-                     blocks_in_budget(cache.swap_space_bytes, block_bytes))
+    return CachePlan(block_size, num_blocks, block_bytes, blocks_in_budget(cache.swap_space_bytes, block_bytes),
+                     fmt, residual_slots, residual_slot_bytes, fmt.fixed_bytes(model))

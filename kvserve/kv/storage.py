@@ -1,30 +1,41 @@
 """KV storage: the object that owns a cache's tensors and every way they are read and moved.
 
-    write(layer, k, v, slots)        the step's new K/V into their slots
-    gather(layer, tables, n)         whole blocks of K/V as dense tensors, for the torch path
+    plan_writes(slots)               once per step and cache group: where the step's K/V go
+    write(layer, k, v, plan)         the step's new K/V into their slots (quantized on the way in)
+    gather(layer, tables, n)         whole blocks as dense K/V, for the torch path (dequantized:
+                                     only the blocks gathered, never the whole cache)
     layer_tensors(layer)             what a kernel reads in place
     copy_blocks(pairs)               copy-on-write inside the cache
-    swap_out(dst, pairs)             blocks to another storage (the CPU pool), and back
+    swap_out(dst, pairs), swap_in    blocks to another storage of the same kind (the CPU pool)
+    release(blocks)                  blocks nobody holds any more (per-block state is dropped)
     bytes_per_block, nbytes          the memory it holds, counted exactly
 
-The attention backends talk to this interface, so a cache that stores K/V another way (in fewer
-bits with scales, as a latent) is a new class, not a branch in attention.
+The attention backends talk to this interface, so a cache that stores K/V another way is a new
+class here, not a branch in attention.
 
-DenseKVStorage keeps K and V as they are computed, block-major per layer:
-[num_blocks, block_size, kv_heads, head_dim]. Each block's tokens are contiguous, so gathering a
-sequence's context is one index over its block table (a copy of whole blocks, not of single
-slots), and a copy-on-write or a swap moves one contiguous chunk per tensor. Tensor j holds the
-j-th layer of every cache group (see kvserve.core.cache_group): a block id names one row of
-each tensor, used by the group that holds the block. The last block is the null block.
+Every storage keeps named tensors whose first dimension is the block (BlockTensorStorage): a
+copy or swap moves the same rows of all of them. Tensor set j holds the j-th layer of every
+cache group (see kvserve.core.cache_group), so a block id names one row of each, used by the
+group holding the block. The last block is the null block.
+
+    DenseKVStorage   k, v [nb, bs, kvh, hd] in the cache dtype
+    Int8KVStorage    k, v int8 and a fp32 scale per token and head [nb, bs, kvh]
+    Fp8KVStorage     k, v fp8 codes; fixed fp32 scales per layer and head
+    Int4KVStorage    k, v packed [nb, bs, kvh, hd/2]; K scale/zero per channel [nb, kvh, hd],
+                     V scale/zero per token [nb, bs, kvh]; the open (partly filled) block of each
+                     sequence in full precision in a residual slot until it fills
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
+
+from kvserve.kv import quant
 
 BlockPairs = Sequence[tuple[int, int]]
 
@@ -32,6 +43,7 @@ BlockPairs = Sequence[tuple[int, int]]
 class KVStorage(ABC):
     num_blocks: int  # physical blocks, the null block included
     block_size: int
+    kind: str = "dense"
 
     @property
     @abstractmethod
@@ -42,22 +54,30 @@ class KVStorage(ABC):
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def begin_step(self) -> None:
+        """A new step starts: its writes will be planned next."""
+
+    def plan_writes(self, slot_mapping: torch.Tensor) -> Any:
+        """Once per step and cache group, before any layer writes: what `write` needs to know
+        beyond the slots (the slot mapping itself, for most storages)."""
+        return slot_mapping
+
     @abstractmethod
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """k, v [T, kv_heads, head_dim] into slots [T] of the layer."""
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
+        """k, v [T, kv_heads, head_dim] into the slots the plan holds, in the layer."""
 
     @abstractmethod
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., nb] block ids -> K, V [..., nb * num_slots, kv_heads, head_dim] (the first
-        num_slots slots of each block), in the dtype attention computes in."""
+        num_slots slots of each block) in fp32 or the cache's float dtype."""
 
     @abstractmethod
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, ...]:
+    def layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's tensors as stored, for kernels that read blocks in place."""
 
     @abstractmethod
     def copy_blocks(self, pairs: BlockPairs) -> None:
-        """dst block := src block, in every tensor (copy-on-write)."""
+        """dst block := src block (copy-on-write)."""
 
     @abstractmethod
     def swap_out(self, dst: "KVStorage", pairs: BlockPairs) -> None:
@@ -67,53 +87,308 @@ class KVStorage(ABC):
         """This storage's block b := src's block a, for each (a, b) (back from the CPU pool)."""
         src.swap_out(self, pairs)
 
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Blocks nobody holds any more; a storage with per-block state drops it."""
 
-class DenseKVStorage(KVStorage):
+
+class BlockTensorStorage(KVStorage):
+    """Named tensors per layer-tensor set, each [num_blocks, ...]."""
+
     def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+                 parts: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device | str) -> None:
         self.layer_to_tensor = list(layer_to_tensor)
-        self.num_blocks, self.block_size = num_blocks, block_size
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        num_tensors = max(self.layer_to_tensor) + 1
-        self.k = [zeros(shape, dtype, device) for _ in range(num_tensors)]
-        self.v = [zeros(shape, dtype, device) for _ in range(num_tensors)]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.k[0].dtype
+        self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
+        self.parts = parts
+        num_sets = max(self.layer_to_tensor) + 1
+        self.tensors = [{name: zeros((num_blocks, *shape), dtype, device) for name, (shape, dtype) in parts.items()}
+                        for _ in range(num_sets)]
 
     @property
     def bytes_per_block(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.k + self.v)
+        return sum(t[0].numel() * t.element_size() for tensors in self.tensors for t in tensors.values())
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        j = self.layer_to_tensor[layer]
-        self.k[j].view(-1, *k.shape[1:]).index_put_((slot_mapping,), k.to(self.dtype))
-        self.v[j].view(-1, *v.shape[1:]).index_put_((slot_mapping,), v.to(self.dtype))
-
-    def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = self.layer_to_tensor[layer]
-        return _gather(self.k[j], block_tables, num_slots), _gather(self.v[j], block_tables, num_slots)
-
-    def layer_tensors(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        j = self.layer_to_tensor[layer]
-        return self.k[j], self.v[j]
+    def layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
+        return self.tensors[self.layer_to_tensor[layer]]
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
         if not pairs:
             return
-        src, dst = _index(pairs, self.k[0].device)
-        for t in self.k + self.v:
-            t[dst] = t[src]
+        src, dst = _index(pairs, self.device)
+        for tensors in self.tensors:
+            for t in tensors.values():
+                t[dst] = t[src]
 
     def swap_out(self, dst: KVStorage, pairs: BlockPairs) -> None:
         if not pairs:
             return
-        assert isinstance(dst, DenseKVStorage) and dst.dtype == self.dtype, "swap between like storages"
-        src_idx, dst_idx = _index(pairs, self.k[0].device)
-        dst_idx = dst_idx.to(dst.k[0].device)
-        for mine, theirs in zip(self.k + self.v, dst.k + dst.v):
-            theirs[dst_idx] = mine[src_idx].to(theirs.device, non_blocking=True)
+        assert isinstance(dst, BlockTensorStorage) and dst.parts == self.parts, "swap between like storages"
+        src_idx, dst_idx = _index(pairs, self.device)
+        dst_idx = dst_idx.to(dst.device)
+        for mine, theirs in zip(self.tensors, dst.tensors):
+            for name, t in mine.items():
+                theirs[name][dst_idx] = t[src_idx].to(dst.device, non_blocking=True)
+
+
+class DenseKVStorage(BlockTensorStorage):
+    """K and V as they are computed, block-major: each block's tokens are contiguous, so
+    gathering a sequence's context is one index over its block table (whole blocks, not single
+    slots)."""
+
+    def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (block_size, num_kv_heads, head_dim)
+        super().__init__(layer_to_tensor, num_blocks, block_size, {"k": (shape, dtype), "v": (shape, dtype)}, device)
+        self.dtype = dtype
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        return [t["k"] for t in self.tensors]
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        return [t["v"] for t in self.tensors]
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
+        t = self.layer_tensors(layer)
+        t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))
+        t["v"].view(-1, *v.shape[1:]).index_put_((plan,), v.to(self.dtype))
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.layer_tensors(layer)
+        return _gather(t["k"], block_tables, num_slots), _gather(t["v"], block_tables, num_slots)
+
+
+class Int8KVStorage(BlockTensorStorage):
+    kind = "int8"
+
+    def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device | str) -> None:
+        values, scales = (block_size, num_kv_heads, head_dim), (block_size, num_kv_heads)
+        super().__init__(layer_to_tensor, num_blocks, block_size,
+                         {"k": (values, torch.int8), "k_scale": (scales, torch.float32),
+                          "v": (values, torch.int8), "v_scale": (scales, torch.float32)}, device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
+        t = self.layer_tensors(layer)
+        for name, x in (("k", k), ("v", v)):
+            q, scale = quant.quantize_int8(x)
+            t[name].view(-1, *q.shape[1:]).index_put_((plan,), q)
+            t[f"{name}_scale"].view(-1, scale.shape[1]).index_put_((plan,), scale)
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.layer_tensors(layer)
+        return tuple(quant.dequantize_int8(_gather(t[n], block_tables, num_slots),  # type: ignore[return-value]
+                                           _gather(t[f"{n}_scale"], block_tables, num_slots)) for n in ("k", "v"))
+
+
+class Fp8KVStorage(BlockTensorStorage):
+    """fp8 codes with a fixed scale per layer and KV head ([layers, 2, kvh]: K then V), set once
+    (`set_scales`) before anything is written; values beyond the format saturate."""
+
+    def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device | str, fmt: str) -> None:
+        values = (block_size, num_kv_heads, head_dim)
+        super().__init__(layer_to_tensor, num_blocks, block_size,
+                         {"k": (values, torch.uint8), "v": (values, torch.uint8)}, device)
+        self.kind, self.format = "fp8", fmt
+        self.scales = torch.ones(len(self.layer_to_tensor), 2, num_kv_heads, device=self.device)
+        self.table = quant.fp8_table(fmt).to(self.device)
+
+    def set_scales(self, scales: torch.Tensor) -> None:
+        if scales.shape != self.scales.shape or not bool((scales > 0).all()):
+            raise ValueError(f"fp8 kv scales must be positive, shaped [layers, 2, kv_heads] = "
+                             f"{list(self.scales.shape)}, got {list(scales.shape)}")
+        self.scales = scales.float().to(self.device)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
+        t = self.layer_tensors(layer)
+        for i, (name, x) in enumerate((("k", k), ("v", v))):
+            codes = quant.quantize_fp8(x, self.scales[layer, i], self.format)
+            t[name].view(-1, *codes.shape[1:]).index_put_((plan,), codes)
+
+    def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.layer_tensors(layer)
+        return tuple(quant.dequantize_fp8(_gather(t[n], block_tables, num_slots), self.scales[layer, i],  # type: ignore[return-value]
+                                          self.format) for i, n in enumerate(("k", "v")))
+
+
+@dataclass
+class Int4WritePlan:
+    """Where one step's tokens go in an int4 cache (one cache group). Tokens of blocks that stay
+    open go straight to their residual slots; blocks that fill this step are assembled in a
+    staging tensor (their earlier tokens from their slot) and quantized from it."""
+
+    open_tokens: torch.Tensor  # [n] indices into the step's tokens
+    open_rows: torch.Tensor  # [n] their rows in the flat residual (slot * bs + offset)
+    done_tokens: torch.Tensor  # [m] tokens of blocks that fill this step
+    done_rows: torch.Tensor  # [m] their rows in the staging tensor (index * bs + offset)
+    done_blocks: torch.Tensor  # [d] the blocks that fill, in staging order
+    done_from: list[tuple[int, int]]  # (staging index, slot): earlier tokens waiting in a slot
+    reopened: list[tuple[int, Optional[int], Optional[int]]]  # (block, slot, staging index): a full
+    # block written again (a rollback cut into it) comes back from its quantized values
+
+
+class Int4KVStorage(BlockTensorStorage):
+    """KIVI's int4: keys per channel over each block, values per token. A block is quantized once,
+    when its last slot is written; until then its tokens wait in full precision in a residual
+    slot (`residual[j]["k"/"v"]` [slots, bs, kvh, hd], the model's dtype) named by
+    `slot_of[block]` (-1: none; a tensor, for the kernel). Reads of an open block come from its slot."""
+
+    kind = "int4"
+
+    def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, device: torch.device | str, residual_dtype: torch.dtype,
+                 num_residual_slots: int) -> None:
+        packed, per_token, per_channel = (block_size, num_kv_heads, head_dim // 2), (block_size, num_kv_heads), \
+            (num_kv_heads, head_dim)
+        super().__init__(layer_to_tensor, num_blocks, block_size, {
+            "k": (packed, torch.uint8), "k_scale": (per_channel, torch.float16), "k_zero": (per_channel, torch.float16),
+            "v": (packed, torch.uint8), "v_scale": (per_token, torch.float16), "v_zero": (per_token, torch.float16)},
+            device)
+        self.row_shape = (block_size, num_kv_heads, head_dim)
+        self.residual_dtype = residual_dtype
+        self.residual: list[dict[str, torch.Tensor]] = []
+        self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=self.device)
+        self._slots: dict[int, int] = {}  # open block -> its slot (slot_of as a dict)
+        self._free_slots: list[int] = []
+        self._filled_slots: list[int] = []  # slots of blocks filled this step: free from the next
+        self._grow(max(num_residual_slots, 1))
+
+    @property
+    def num_residual_slots(self) -> int:
+        return self.residual[0]["k"].shape[0]
+
+    @property
+    def residual_nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for r in self.residual for t in r.values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block + self.residual_nbytes
+
+    # ---- writes ----
+    def begin_step(self) -> None:
+        self._free_slots += self._filled_slots
+        self._filled_slots = []
+
+    def plan_writes(self, slot_mapping: torch.Tensor) -> Int4WritePlan:
+        bs = self.block_size
+        blocks, offsets = (slot_mapping // bs).tolist(), (slot_mapping % bs).tolist()
+        filled = {b for b, o in zip(blocks, offsets) if o == bs - 1}
+        staging: dict[int, int] = {}
+        reopened: list[tuple[int, Optional[int], Optional[int]]] = []
+        plan: dict[str, list[int]] = {"open_tokens": [], "open_rows": [], "done_tokens": [], "done_rows": []}
+        for i, (block, offset) in enumerate(zip(blocks, offsets)):
+            if block in filled:
+                if block not in staging:
+                    staging[block] = len(staging)
+                    if block not in self._slots and offset:
+                        reopened.append((block, None, staging[block]))
+                plan["done_tokens"].append(i)
+                plan["done_rows"].append(staging[block] * bs + offset)
+                continue
+            if block not in self._slots:
+                self._take_slot(block)
+                if offset:
+                    reopened.append((block, self._slots[block], None))
+            plan["open_tokens"].append(i)
+            plan["open_rows"].append(self._slots[block] * bs + offset)
+        done_from = [(u, self._slots[b]) for b, u in staging.items() if b in self._slots]
+        for block in staging:  # filled: quantized in this step's writes, which still read the slot
+            slot = self._slots.pop(block, None)
+            if slot is not None:
+                self.slot_of[block] = -1
+                self._filled_slots.append(slot)
+        t = {k: torch.tensor(v, dtype=torch.long, device=self.device) for k, v in plan.items()}
+        return Int4WritePlan(t["open_tokens"], t["open_rows"], t["done_tokens"], t["done_rows"],
+                             torch.tensor(list(staging), dtype=torch.long, device=self.device), done_from, reopened)
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
+        assert isinstance(plan, Int4WritePlan)
+        t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
+        stage = {name: torch.empty(len(plan.done_blocks), *self.row_shape, dtype=self.residual_dtype,
+                                   device=self.device) for name in ("k", "v")}
+        for block, slot, index in plan.reopened:
+            k_old, v_old = self._dequantize(t, torch.tensor([block], device=self.device))
+            target = r if slot is not None else stage
+            target["k"][slot if slot is not None else index] = k_old[0]
+            target["v"][slot if slot is not None else index] = v_old[0]
+        for index, slot in plan.done_from:  # slots are still intact: freed only for later steps
+            stage["k"][index], stage["v"][index] = r["k"][slot], r["v"][slot]
+        for name, x in (("k", k), ("v", v)):
+            x = x.to(self.residual_dtype)
+            r[name].view(-1, *x.shape[1:]).index_put_((plan.open_rows,), x[plan.open_tokens])
+            stage[name].view(-1, *x.shape[1:]).index_put_((plan.done_rows,), x[plan.done_tokens])
+        if len(plan.done_blocks):
+            blocks = plan.done_blocks
+            t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks] = quant.quantize_int4(stage["k"], dim=-3)
+            t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = quant.quantize_int4(stage["v"], dim=-1)
+
+    # ---- reads ----
+    def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
+        flat = block_tables.reshape(-1)
+        k, v = self._dequantize(t, flat)  # [n, bs, kvh, hd] fp32
+        slots = self.slot_of[flat]
+        is_open = slots >= 0
+        if bool(is_open.any()):
+            k[is_open], v[is_open] = r["k"][slots[is_open]].float(), r["v"][slots[is_open]].float()
+        shape = (*block_tables.shape[:-1], -1, *self.row_shape[1:])
+        return k[:, :num_slots].reshape(shape), v[:, :num_slots].reshape(shape)
+
+    def _dequantize(self, t: dict[str, torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = quant.dequantize_int4(t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks], dim=-3)
+        v = quant.dequantize_int4(t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks], dim=-1)
+        return k, v
+
+    # ---- block state ----
+    def release(self, block_ids: Sequence[int]) -> None:
+        for block in block_ids:
+            slot = self._slots.pop(block, None)
+            if slot is not None:
+                self.slot_of[block] = -1
+                self._free_slots.append(slot)
+
+    def copy_blocks(self, pairs: BlockPairs) -> None:
+        super().copy_blocks(pairs)
+        for src, dst in pairs:
+            self._copy_residual(self, src, dst)
+
+    def swap_out(self, dst: KVStorage, pairs: BlockPairs) -> None:
+        super().swap_out(dst, pairs)
+        assert isinstance(dst, Int4KVStorage)
+        for src, d in pairs:
+            self._copy_residual(dst, src, d)
+
+    def _copy_residual(self, dst: "Int4KVStorage", src: int, block: int) -> None:
+        """block (in dst) gets src's open-block state: a residual slot holding the same tokens."""
+        dst.release([block])
+        slot = self._slots.get(src)
+        if slot is None:
+            return
+        new = dst._take_slot(block)
+        for mine, theirs in zip(self.residual, dst.residual):
+            for name in ("k", "v"):
+                theirs[name][new] = mine[name][slot].to(dst.device)
+
+    def _take_slot(self, block: int) -> int:
+        if not self._free_slots:
+            self._grow(2 * self.num_residual_slots)
+        slot = self._free_slots.pop()
+        self._slots[block] = slot
+        self.slot_of[block] = slot
+        return slot
+
+    def _grow(self, num_slots: int) -> None:
+        """More residual slots: more sequences hold an open block than were planned for."""
+        old = self.num_residual_slots if self.residual else 0
+        fresh = [{name: zeros((num_slots, *self.row_shape), self.residual_dtype, self.device) for name in ("k", "v")}
+                 for _ in self.tensors]
+        for i, r in enumerate(self.residual):
+            for name in ("k", "v"):
+                fresh[i][name][:old] = r[name]
+        self.residual = fresh
+        self._free_slots += list(range(num_slots - 1, old - 1, -1))
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
@@ -131,7 +406,7 @@ def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_slots: int) -> 
     """index_select over whole blocks copies contiguous chunks (about twice as fast as advanced
     indexing on CPU); narrowing first keeps a contiguous-layout slab from being copied whole."""
     src = cache if num_slots == cache.shape[1] else cache[:, :num_slots]
-    blocks = src.index_select(0, block_tables.reshape(-1))  # [B * nb, s, kvh, hd]
+    blocks = src.index_select(0, block_tables.reshape(-1))  # [B * nb, s, ...]
     return blocks.view(*block_tables.shape[:-1], -1, *cache.shape[2:])
 
 
@@ -139,3 +414,19 @@ def _index(pairs: BlockPairs, device: torch.device) -> tuple[torch.Tensor, torch
     src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=device)
     dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=device)
     return src, dst
+
+
+def make_storage(kind: str, name: str, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+                 num_kv_heads: int, head_dim: int, model_dtype: torch.dtype, device: torch.device | str,
+                 num_residual_slots: int = 0) -> KVStorage:
+    """The storage of a format (kvserve.kv.formats): kind "dense" keeps dtype `name`."""
+    args = (layer_to_tensor, num_blocks, block_size, num_kv_heads, head_dim)
+    if kind == "dense":
+        return DenseKVStorage(*args, getattr(torch, name), device)
+    if kind == "int8":
+        return Int8KVStorage(*args, device)
+    if kind == "fp8":
+        return Fp8KVStorage(*args, device, name)
+    if kind == "int4":
+        return Int4KVStorage(*args, device, model_dtype, num_residual_slots)
+    raise ValueError(f"no storage for kv cache format {name!r}")

@@ -96,12 +96,17 @@ class ModelRunner:
             t.forget(request_ids)
 
     def apply_copies(self, copies: BlockCopies) -> None:
-        if not copies:
+        """In BlockCopies' order: swap out, forget released blocks, swap in, copy on write."""
+        if not copies or self.storage is None:
             return
-        assert self.storage is not None
-        if copies.swap_out or copies.swap_in:
+        if copies.swap_out:
             assert self.swap_storage is not None
             self.storage.swap_out(self.swap_storage, copies.swap_out)
+        self.storage.release(copies.released)
+        if self.swap_storage is not None:
+            self.swap_storage.release(copies.released_cpu)
+        if copies.swap_in:
+            assert self.swap_storage is not None
             self.storage.swap_in(self.swap_storage, copies.swap_in)
         self.storage.copy_blocks(copies.copy_on_write)
 
@@ -126,14 +131,17 @@ class ModelRunner:
             positions += range(s.start_position, s.context_len)
         pos = torch.tensor(positions, dtype=torch.long)
         counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
+        self.storage.begin_step()
         metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts))
                     for t in self.tables]
         return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
 
     def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
                         pos: torch.Tensor, counts: torch.Tensor) -> AttentionMetadata:
+        assert self.storage is not None
         rows = table.row_index([s.request_id for s in ordered])
-        meta = AttentionMetadata(slot_mapping=table.slots(torch.repeat_interleave(rows, counts), pos),
+        slots = table.slots(torch.repeat_interleave(rows, counts), pos)
+        meta = AttentionMetadata(slot_mapping=slots, kv_write_plan=self.storage.plan_writes(slots),
                                  num_decode_tokens=num_decodes)
         if num_decodes:
             ctx = [s.context_len for s in ordered[:num_decodes]]

@@ -30,7 +30,7 @@ def storage_of(k_cache, v_cache):
     """A one-layer dense storage holding these tensors."""
     nb, BS, KVH, D = k_cache.shape
     storage = DenseKVStorage([0], 1, BS, KVH, D, k_cache.dtype, "cpu")
-    storage.k, storage.v, storage.num_blocks = [k_cache], [v_cache], nb
+    storage.tensors, storage.num_blocks = [{"k": k_cache, "v": v_cache}], nb
     return storage
 
 

@@ -59,7 +59,7 @@ def test_cache_salt_isolates_tenants(stories):
 
 def test_other_kv_dtype_or_model_never_hits(stories):
     a = make_engine(stories, num_blocks=64)
-    b = make_engine(stories, num_blocks=64, kv_dtype="bfloat16")
+    b = make_engine(stories, num_blocks=64, kv_cache_dtype="bfloat16")
     assert a.kv.namespace != b.kv.namespace
     prompt = long_prompt(stories.tokenizer, 64, "")
     a.add_request("x", prompt, greedy(1))

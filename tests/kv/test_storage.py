@@ -17,7 +17,7 @@ def test_written_slots_are_gathered_back():
     s = make()
     k, v = torch.randn(6, 2, 8), torch.randn(6, 2, 8)
     slots = torch.tensor([4 * 5 + 0, 4 * 5 + 1, 4 * 5 + 2, 4 * 2 + 0, 4 * 2 + 1, 4 * 2 + 3])
-    s.write(1, k, v, slots)
+    s.write(1, k, v, s.plan_writes(slots))
     gk, gv = s.gather(1, torch.tensor([[5, 2]]), 4)  # [1, 8 slots, kvh, hd]
     assert torch.equal(gk[0, [0, 1, 2, 4, 5, 7]], k) and torch.equal(gv[0, [0, 1, 2, 4, 5, 7]], v)
     assert not gk[0, [3, 6]].any()  # never written: zeros
@@ -29,7 +29,7 @@ def test_written_slots_are_gathered_back():
 def test_copy_blocks_and_swap_round_trip():
     s, cpu = make(), make(num_blocks=4)
     for layer in range(3):
-        s.write(layer, torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.arange(12, 16))  # block 3
+        s.write(layer, torch.randn(4, 2, 8), torch.randn(4, 2, 8), s.plan_writes(torch.arange(12, 16)))  # block 3
     block3 = [t[3].clone() for t in s.k + s.v]
     s.copy_blocks([(3, 7)])
     assert all(torch.equal(t[7], b) for t, b in zip(s.k + s.v, block3))
@@ -42,7 +42,7 @@ def test_copy_blocks_and_swap_round_trip():
 
 def test_groups_share_tensors_and_bytes_are_exact():
     s = make(layer_to_tensor=(0, 0, 1, 1), num_blocks=5, bs=4, kvh=2, hd=8)  # two groups of two layers
-    assert len(s.k) == 2 and s.layer_tensors(1)[0] is s.layer_tensors(0)[0]
+    assert len(s.k) == 2 and s.layer_tensors(1)["k"] is s.layer_tensors(0)["k"]
     assert s.bytes_per_block == 2 * 2 * 4 * 2 * 8 * 4  # (K, V) x tensors x slots x kvh x hd x fp32
     assert s.nbytes == 5 * s.bytes_per_block == sum(t.numel() * 4 for t in s.k + s.v)
     assert make(dtype=torch.bfloat16).bytes_per_block == 2 * 3 * 4 * 2 * 8 * 2
@@ -51,7 +51,7 @@ def test_groups_share_tensors_and_bytes_are_exact():
 def test_writes_cast_to_the_storage_dtype():
     s = make(dtype=torch.bfloat16)
     k = torch.randn(1, 2, 8)
-    s.write(0, k, k, torch.tensor([0]))
+    s.write(0, k, k, s.plan_writes(torch.tensor([0])))
     assert s.k[0].dtype == torch.bfloat16 and torch.equal(s.k[0][0, 0], k[0].bfloat16())
 
 
