@@ -27,7 +27,7 @@ from kvserve.kv.storage import KVStorage
 @dataclass
 class PrefillSpan:
     """A chunk of q_len rows of one sequence, attending to its cached context and causally to
-    itself. block_table is None when the chunk is the sequence's whole context (nothing cached)."""
+    itself. block_table is None where there is no cache (the recompute reference)."""
 
     q_start: int  # first row of the chunk in the flat batch
     q_len: int
@@ -56,7 +56,7 @@ class AttentionBackend(ABC):
 
     name: str
 
-    def build_metadata(self, common: AttentionMetadata) -> AttentionMetadata:
+    def build_metadata(self, common: AttentionMetadata, storage: Optional[KVStorage]) -> AttentionMetadata:
         """Once per step and group: the common description plus whatever this backend needs."""
         return common
 

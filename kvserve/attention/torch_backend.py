@@ -18,14 +18,15 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata, PrefillSpan
-from kvserve.kv.storage import KVStorage
+from kvserve.kv.storage import ChunkView, KVStorage
 
 
 @dataclass
 class TorchAttentionMetadata(AttentionMetadata):
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, L] additive: 0, or -inf past each context
     decode_slots_per_block: int = 0  # min(block_size, longest context): narrows a contiguous slab
-    prefill_masks: list[Optional[torch.Tensor]] = field(default_factory=list)  # [q_len, context] bool
+    # per chunk: None to attend causally within its own fresh K/V, else what it sees of the cache
+    chunk_views: list[Optional[ChunkView]] = field(default_factory=list)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -34,12 +35,20 @@ class TorchAttentionBackend(AttentionBackend):
     def __init__(self, block_size: int, dtype: torch.dtype) -> None:
         self.block_size, self.dtype = block_size, dtype
 
-    def build_metadata(self, common: AttentionMetadata) -> TorchAttentionMetadata:
+    def build_metadata(self, common: AttentionMetadata, storage: Optional[KVStorage]) -> TorchAttentionMetadata:
         meta = TorchAttentionMetadata(**vars(common))
-        meta.prefill_masks = [_chunk_mask(s) for s in common.prefills]
+        meta.chunk_views = [self._chunk_view(s, storage) for s in common.prefills]
         if common.num_decode_tokens:
             self._decode_mask(meta)
         return meta
+
+    def _chunk_view(self, span: PrefillSpan, storage: Optional[KVStorage]) -> Optional[ChunkView]:
+        """A chunk that starts its sequence attends to its fresh K/V where the cache would give
+        the same numbers back (or there is no cache); otherwise it reads what the storage says."""
+        start = span.context_len - span.q_len
+        if span.block_table is None or storage is None or (start == 0 and storage.reads_back_exactly(self.dtype)):
+            return None
+        return storage.chunk_view(start, span.q_len, span.block_table.device)
 
     def _decode_mask(self, meta: TorchAttentionMetadata) -> None:
         assert meta.decode_block_tables is not None and meta.decode_context_lens is not None
@@ -60,9 +69,9 @@ class TorchAttentionBackend(AttentionBackend):
         if nd:
             assert storage is not None
             out[:nd] = self.decode(layer, q[:nd], storage, meta, scale)
-        for span, mask in zip(meta.prefills, meta.prefill_masks):
+        for span, view in zip(meta.prefills, meta.chunk_views):
             rows = slice(span.q_start, span.q_start + span.q_len)
-            out[rows] = self._chunk(layer, q[rows], k[rows], v[rows], storage, span, mask, scale)
+            out[rows] = self._chunk(layer, q[rows], k[rows], v[rows], storage, span, view, scale)
         return out
 
     def decode(self, layer: int, q: torch.Tensor, storage: KVStorage, meta: AttentionMetadata,
@@ -77,23 +86,13 @@ class TorchAttentionBackend(AttentionBackend):
         return o.reshape(B, H, D)
 
     def _chunk(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               storage: Optional[KVStorage], span: PrefillSpan, mask: Optional[torch.Tensor],
+               storage: Optional[KVStorage], span: PrefillSpan, view: Optional[ChunkView],
                scale: float) -> torch.Tensor:
-        if span.block_table is None:  # no earlier context: attend within the chunk
+        if view is None:  # attend causally within the chunk's own K/V
             return _sdpa_4d(q, k, v, None, scale)
-        assert storage is not None
-        slots = min(self.block_size, span.context_len)
-        kc, vc = storage.gather(layer, span.block_table, slots)
-        return _sdpa_4d(q, kc[:span.context_len].to(q.dtype), vc[:span.context_len].to(q.dtype), mask, scale)
-
-
-def _chunk_mask(span: PrefillSpan) -> Optional[torch.Tensor]:
-    """Row i (position context_len - q_len + i) sees positions up to its own."""
-    if span.block_table is None:
-        return None
-    device = span.block_table.device
-    q_pos = torch.arange(span.context_len - span.q_len, span.context_len, device=device)
-    return torch.arange(span.context_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1)
+        assert storage is not None and span.block_table is not None
+        keys, values = storage.chunk_context(layer, span.block_table, span.context_len - span.q_len, k, v)
+        return _sdpa_4d(q, keys.to(q.dtype), values.to(q.dtype), view.mask, scale)
 
 
 def _sdpa_4d(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Parameters named and bounded as in vLLM and the OpenAI API.
 
-    temperature 0 means greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 (or below 1e-5) means greedy. top_k 0 or -1 disables top-k; top_p 1 and min_p 0 disable theirs.
     repetition_penalty (>0, 1 disables) divides positive logits of every token seen in the prompt
     or output and multiplies negative ones; presence and frequency penalties (in [-2, 2]) subtract
     from tokens seen in the output, once or per occurrence.
@@ -75,7 +78,9 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing by it overflows (below 1e-5, as vLLM):
+        both mean the most likely token."""
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

@@ -90,6 +90,33 @@ class KVStorage(ABC):
     def release(self, block_ids: Sequence[int]) -> None:
         """Blocks nobody holds any more; a storage with per-block state drops it."""
 
+    # ---- what a multi-token chunk attends to ----
+    def reads_back_exactly(self, dtype: torch.dtype) -> bool:
+        """Whether K/V read back equal K/V written (in `dtype`): then a chunk that starts its
+        sequence can attend to its fresh K/V without reading the cache."""
+        return False
+
+    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
+        """Once per step and chunk: which version of each K/V the chunk's queries see. A query
+        sees the cache as it is right after its own K/V was written, whichever step wrote the
+        rest, so a prompt gets the same numbers prefilled whole, in chunks, after a prefix-cache
+        hit or token by token. Here: the cache's K/V of every earlier position and its own."""
+        context_len = start + q_len
+        q_pos = torch.arange(start, context_len, device=device)
+        return ChunkView(torch.arange(context_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1))
+
+    def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values a chunk's view indexes: [S, kvh, hd] each (k, v: the chunk's own)."""
+        context_len = start + k.shape[0]
+        keys, values = self.gather(layer, block_table, min(self.block_size, context_len))
+        return keys[:context_len], values[:context_len]
+
+
+@dataclass
+class ChunkView:
+    mask: torch.Tensor  # [q_len, S] bool: True where a query attends to key i of chunk_context
+
 
 class BlockTensorStorage(KVStorage):
     """Named tensors per layer-tensor set, each [num_blocks, ...]."""
@@ -147,6 +174,9 @@ class DenseKVStorage(BlockTensorStorage):
     @property
     def v(self) -> list[torch.Tensor]:
         return [t["v"] for t in self.tensors]
+
+    def reads_back_exactly(self, dtype: torch.dtype) -> bool:
+        return self.dtype == dtype
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -224,15 +254,18 @@ class Int4WritePlan:
     done_rows: torch.Tensor  # [m] their rows in the staging tensor (index * bs + offset)
     done_blocks: torch.Tensor  # [d] the blocks that fill, in staging order
     done_from: list[tuple[int, int]]  # (staging index, slot): earlier tokens waiting in a slot
-    reopened: list[tuple[int, Optional[int], Optional[int]]]  # (block, slot, staging index): a full
-    # block written again (a rollback cut into it) comes back from its quantized values
+    reopened: list[tuple[int, int]]  # (block, slot): a full block written again, its tokens dequantized
 
 
 class Int4KVStorage(BlockTensorStorage):
     """KIVI's int4: keys per channel over each block, values per token. A block is quantized once,
     when its last slot is written; until then its tokens wait in full precision in a residual
     slot (`residual[j]["k"/"v"]` [slots, bs, kvh, hd], the model's dtype) named by
-    `slot_of[block]` (-1: none; a tensor, for the kernel). Reads of an open block come from its slot."""
+    `slot_of[block]` (-1: none; a tensor, for the kernel). Reads of an open block come from its slot.
+
+    A block's slot outlives its filling by a step, so a rollback right after (rejected proposals
+    that had filled the block) reopens it from the exact tokens; a block reopened later comes
+    back from its quantized values."""
 
     kind = "int4"
 
@@ -251,7 +284,9 @@ class Int4KVStorage(BlockTensorStorage):
         self.slot_of = torch.full((num_blocks,), -1, dtype=torch.long, device=self.device)
         self._slots: dict[int, int] = {}  # open block -> its slot (slot_of as a dict)
         self._free_slots: list[int] = []
-        self._filled_slots: list[int] = []  # slots of blocks filled this step: free from the next
+        self._filled: dict[int, int] = {}  # block -> slot, filled this step
+        self._filled_before: dict[int, int] = {}  # likewise, the step before: freed at the next step
+        self._step_slots: dict[int, int] = {}  # block -> slot holding its tokens from before this step
         self._grow(max(num_residual_slots, 1))
 
     @property
@@ -268,52 +303,67 @@ class Int4KVStorage(BlockTensorStorage):
 
     # ---- writes ----
     def begin_step(self) -> None:
-        self._free_slots += self._filled_slots
-        self._filled_slots = []
+        self._free_slots += self._filled_before.values()
+        self._filled_before, self._filled = self._filled, {}
+        self._step_slots = {}
 
     def plan_writes(self, slot_mapping: torch.Tensor) -> Int4WritePlan:
         bs = self.block_size
         blocks, offsets = (slot_mapping // bs).tolist(), (slot_mapping % bs).tolist()
-        filled = {b for b, o in zip(blocks, offsets) if o == bs - 1}
+        filling = {b for b, o in zip(blocks, offsets) if o == bs - 1}
         staging: dict[int, int] = {}
-        reopened: list[tuple[int, Optional[int], Optional[int]]] = []
+        seen: set[int] = set()
+        reopened: list[tuple[int, int]] = []
         plan: dict[str, list[int]] = {"open_tokens": [], "open_rows": [], "done_tokens": [], "done_rows": []}
         for i, (block, offset) in enumerate(zip(blocks, offsets)):
-            if block in filled:
-                if block not in staging:
-                    staging[block] = len(staging)
-                    if block not in self._slots and offset:
-                        reopened.append((block, None, staging[block]))
+            if block not in seen:
+                seen.add(block)
+                self._first_write(block, offset, reopened)
+            if block in filling:
+                staging.setdefault(block, len(staging))
                 plan["done_tokens"].append(i)
                 plan["done_rows"].append(staging[block] * bs + offset)
-                continue
-            if block not in self._slots:
-                self._take_slot(block)
-                if offset:
-                    reopened.append((block, self._slots[block], None))
-            plan["open_tokens"].append(i)
-            plan["open_rows"].append(self._slots[block] * bs + offset)
+            else:
+                slot = self._slots.get(block)
+                if slot is None:
+                    slot = self._take_slot(block)
+                plan["open_tokens"].append(i)
+                plan["open_rows"].append(slot * bs + offset)
         done_from = [(u, self._slots[b]) for b, u in staging.items() if b in self._slots]
-        for block in staging:  # filled: quantized in this step's writes, which still read the slot
+        for block in staging:  # quantized in this step's writes, which still read the slot
             slot = self._slots.pop(block, None)
             if slot is not None:
                 self.slot_of[block] = -1
-                self._filled_slots.append(slot)
+                self._filled[block] = slot
         t = {k: torch.tensor(v, dtype=torch.long, device=self.device) for k, v in plan.items()}
         return Int4WritePlan(t["open_tokens"], t["open_rows"], t["done_tokens"], t["done_rows"],
                              torch.tensor(list(staging), dtype=torch.long, device=self.device), done_from, reopened)
 
+    def _first_write(self, block: int, offset: int, reopened: list[tuple[int, int]]) -> None:
+        """The step's first write into a block: note the slot holding its earlier tokens, and
+        reopen a full block written again (exactly from a slot it filled from a step ago, or
+        from its quantized values)."""
+        if block not in self._slots and offset:
+            recent = self._filled.pop(block, None)
+            if recent is None:
+                recent = self._filled_before.pop(block, None)
+            if recent is not None:
+                self._slots[block] = recent
+                self.slot_of[block] = recent
+            else:
+                reopened.append((block, self._take_slot(block)))
+        if block in self._slots:
+            self._step_slots[block] = self._slots[block]
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         assert isinstance(plan, Int4WritePlan)
         t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
+        for block, slot in plan.reopened:
+            k_old, v_old = self._dequantize(t, torch.tensor([block], device=self.device))
+            r["k"][slot], r["v"][slot] = k_old[0], v_old[0]
         stage = {name: torch.empty(len(plan.done_blocks), *self.row_shape, dtype=self.residual_dtype,
                                    device=self.device) for name in ("k", "v")}
-        for block, slot, index in plan.reopened:
-            k_old, v_old = self._dequantize(t, torch.tensor([block], device=self.device))
-            target = r if slot is not None else stage
-            target["k"][slot if slot is not None else index] = k_old[0]
-            target["v"][slot if slot is not None else index] = v_old[0]
-        for index, slot in plan.done_from:  # slots are still intact: freed only for later steps
+        for index, slot in plan.done_from:
             stage["k"][index], stage["v"][index] = r["k"][slot], r["v"][slot]
         for name, x in (("k", k), ("v", v)):
             x = x.to(self.residual_dtype)
@@ -336,6 +386,34 @@ class Int4KVStorage(BlockTensorStorage):
         shape = (*block_tables.shape[:-1], -1, *self.row_shape[1:])
         return k[:, :num_slots].reshape(shape), v[:, :num_slots].reshape(shape)
 
+    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
+        """A query sees the cache right after its own write: blocks filled by then quantized, and
+        its own block, unless it just filled it, as written. The keys are the cache's context
+        followed by the exact tail from the first query's block start ([S0 + tail]):
+
+            query p in block b, p not b's last slot: cache keys before b, tail keys b_start..p
+            query p that fills its block:            cache keys 0..p"""
+        bs, context_len = self.block_size, start + q_len
+        tail_start = start - start % bs
+        p = torch.arange(start, context_len, device=device).unsqueeze(1)
+        own_block = p - p % bs
+        fills = (p % bs) == bs - 1
+        cache_pos = torch.arange(context_len, device=device).unsqueeze(0)
+        tail_pos = torch.arange(tail_start, context_len, device=device).unsqueeze(0)
+        cache_mask = torch.where(fills, cache_pos <= p, cache_pos < own_block)
+        tail_mask = ~fills & (tail_pos >= own_block) & (tail_pos <= p)
+        return ChunkView(torch.cat([cache_mask, tail_mask], dim=1))
+
+    def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
+                      v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = super().chunk_context(layer, block_table, start, k, v)
+        before = start % self.block_size  # tokens of the first query's block written in earlier steps
+        if before:
+            slot = self._step_slots[int(block_table[start // self.block_size])]
+            r = self.residual[self.layer_to_tensor[layer]]
+            k, v = torch.cat([r["k"][slot, :before].to(k.dtype), k]), torch.cat([r["v"][slot, :before].to(v.dtype), v])
+        return torch.cat([keys, k.to(keys.dtype)]), torch.cat([values, v.to(values.dtype)])
+
     def _dequantize(self, t: dict[str, torch.Tensor], blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = quant.dequantize_int4(t["k"][blocks], t["k_scale"][blocks], t["k_zero"][blocks], dim=-3)
         v = quant.dequantize_int4(t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks], dim=-1)
@@ -348,6 +426,10 @@ class Int4KVStorage(BlockTensorStorage):
             if slot is not None:
                 self.slot_of[block] = -1
                 self._free_slots.append(slot)
+            for filled in (self._filled, self._filled_before):  # no longer a rollback to serve
+                slot = filled.pop(block, None)
+                if slot is not None:
+                    self._free_slots.append(slot)
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
         super().copy_blocks(pairs)

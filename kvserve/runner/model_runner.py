@@ -132,8 +132,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
         self.storage.begin_step()
-        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts))
-                    for t in self.tables]
+        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts),
+                                                self.storage) for t in self.tables]
         return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
 
     def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
@@ -150,7 +150,7 @@ class ModelRunner:
             meta.decode_context_lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
         q_start = num_decodes
         for i, s in enumerate(ordered[num_decodes:], start=num_decodes):
-            block_table = None if s.start_position == 0 else table.tables(rows[i:i + 1], s.context_len)[0]
+            block_table = table.tables(rows[i:i + 1], s.context_len)[0]
             meta.prefills.append(PrefillSpan(q_start, s.num_tokens, s.context_len, block_table))
             q_start += s.num_tokens
         return meta
@@ -166,7 +166,7 @@ class ModelRunner:
             meta.prefills.append(PrefillSpan(len(ids), len(tokens), len(tokens)))
             ids += tokens
             positions += range(len(tokens))
-        metadata = [self.backend.build_metadata(meta)] * len(self.tables)
+        metadata = [self.backend.build_metadata(meta, None)] * len(self.tables)
         return self._model_input(ids, torch.tensor(positions, dtype=torch.long),
                                  ForwardContext(None, metadata), list(seqs))
 

@@ -198,7 +198,7 @@ def _logprobs(row: torch.Tensor, chosen: list[int], k: Optional[int]) -> Optiona
     if k is None:
         return None
     lp = row.log_softmax(-1)
-    top = lp.topk(k) if k > 0 else None
+    top = lp.topk(min(k, lp.shape[-1])) if k > 0 else None
     out = []
     for t in chosen:
         d = {t: float(lp[t])}

@@ -40,7 +40,7 @@ def reference(q, k_cache, v_cache, tables, lens):
     backend = TorchAttentionBackend(k_cache.shape[1], q.dtype)
     meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=B, decode_block_tables=tables,
                                                     decode_context_lens=lens,
-                                                    decode_max_context=int(lens.max())))
+                                                    decode_max_context=int(lens.max())), None)
     return backend.decode(0, q, storage_of(k_cache, v_cache), meta, D ** -0.5)
 
 

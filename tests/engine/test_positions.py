@@ -39,7 +39,7 @@ def test_a_wrong_offset_changes_the_logits(stories):
     T = len(ids)
 
     def last_logits(positions):
-        meta = engine.runner.backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]))
+        meta = engine.runner.backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]), None)
         hidden = model(torch.tensor(ids), torch.tensor(positions), ForwardContext(None, [meta]))
         return model.compute_logits(hidden[-1:])
 

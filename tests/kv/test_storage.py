@@ -65,3 +65,83 @@ def test_cpu_zeros_are_zero_and_cost_no_memory_until_written(dtype):
     assert grown_kib < 64 << 10  # pages come on first write, not at allocation
     t[3].fill_(1)
     assert t[3].float().sum().item() == 1024 * 1024 and t[4].count_nonzero().item() == 0
+
+
+# ---- quantized storages ----
+from kvserve.kv import quant  # noqa: E402
+from kvserve.kv.storage import Fp8KVStorage, Int4KVStorage, Int8KVStorage  # noqa: E402
+
+
+def int4(num_blocks=9, slots=2):
+    return Int4KVStorage([0, 1], num_blocks, 4, 2, 8, "cpu", torch.float32, slots)
+
+
+def write_tokens(s, layer, slots, seed):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(len(slots), 2, 8, generator=g), torch.randn(len(slots), 2, 8, generator=g)
+    s.begin_step()
+    s.write(layer, k, v, s.plan_writes(torch.tensor(slots)))
+    return k, v
+
+
+def test_int4_block_waits_in_its_slot_until_full_then_is_quantized_once():
+    s = int4()
+    ks, vs = [], []
+    for i in range(3):  # three tokens into block 5, one step each: the block stays open
+        k, v = write_tokens(s, 0, [5 * 4 + i], seed=i)
+        ks.append(k), vs.append(v)
+        assert int(s.slot_of[5]) >= 0
+        gk, gv = s.gather(0, torch.tensor([5]), 4)
+        assert torch.equal(gk[:i + 1], torch.cat(ks)) and torch.equal(gv[:i + 1], torch.cat(vs))  # exact
+    k, v = write_tokens(s, 0, [5 * 4 + 3], seed=3)
+    ks.append(k), vs.append(v)
+    assert int(s.slot_of[5]) == -1  # full: quantized, slot given back
+    gk, gv = s.gather(0, torch.tensor([5]), 4)
+    full_k, full_v = torch.cat(ks), torch.cat(vs)
+    assert torch.equal(gk, quant.dequantize_int4(*quant.quantize_int4(full_k, -3), -3))  # keys per channel
+    assert torch.equal(gv, quant.dequantize_int4(*quant.quantize_int4(full_v, -1), -1))  # values per token
+
+
+def test_int4_blocks_filled_in_one_step_need_no_slot_and_reopen_after_a_rollback():
+    s = int4(slots=1)
+    k, v = write_tokens(s, 1, list(range(8, 16)), seed=0)  # blocks 2 and 3 in one step
+    assert s.num_residual_slots == 1 and int(s.slot_of[2]) == int(s.slot_of[3]) == -1
+    before_k, _ = s.gather(1, torch.tensor([3]), 4)
+    k2, _ = write_tokens(s, 1, [3 * 4 + 2], seed=9)  # a rollback left 2 tokens of block 3: write the third
+    gk, _ = s.gather(1, torch.tensor([3]), 3)
+    assert torch.equal(gk[:2], before_k[:2]) and torch.equal(gk[2], k2[0])  # kept tokens come back dequantized
+    assert int(s.slot_of[3]) >= 0
+
+
+def test_int4_copy_swap_release_and_growth_carry_the_open_block():
+    s, cpu = int4(), int4(num_blocks=4)
+    k, _ = write_tokens(s, 0, [4 * 4, 4 * 4 + 1], seed=0)  # block 4 open with 2 tokens
+    s.copy_blocks([(4, 6)])  # copy-on-write of an open block copies its slot's tokens
+    assert torch.equal(s.gather(0, torch.tensor([6]), 2)[0], k) and int(s.slot_of[6]) != int(s.slot_of[4])
+    s.swap_out(cpu, [(4, 1)])
+    s.release([4, 6])
+    assert int(s.slot_of[4]) == int(s.slot_of[6]) == -1 and len(s._free_slots) == s.num_residual_slots
+    s.swap_in(cpu, [(1, 7)])
+    assert torch.equal(s.gather(0, torch.tensor([7]), 2)[0], k)
+    for block in (0, 1, 2):  # more open blocks than slots: the residual grows
+        write_tokens(s, 0, [block * 4], seed=block)
+    assert s.num_residual_slots >= 4 and torch.equal(s.gather(0, torch.tensor([7]), 2)[0], k)
+    assert s.nbytes == s.num_blocks * s.bytes_per_block + s.residual_nbytes
+
+
+@pytest.mark.parametrize("make", [
+    lambda: Int8KVStorage([0], 5, 4, 2, 8, "cpu"),
+    lambda: Fp8KVStorage([0], 5, 4, 2, 8, "cpu", "fp8_e4m3"),
+], ids=["int8", "fp8_e4m3"])
+def test_per_token_formats_round_trip_copy_and_swap(make):
+    s, cpu = make(), make()
+    if isinstance(s, Fp8KVStorage):
+        scales = torch.full((1, 2, 2), 0.02)
+        s.set_scales(scales), cpu.set_scales(scales)
+    k, v = write_tokens(s, 0, [9, 10], seed=1)
+    gk, gv = s.gather(0, torch.tensor([2]), 3)
+    for got, x in ((gk[1:3], k), (gv[1:3], v)):  # within half an fp8 (3-bit mantissa) or int8 step
+        assert ((got - x).abs() <= x.abs() / 16 + x.abs().amax(-1, keepdim=True) / 254 + 1e-6).all()
+    s.copy_blocks([(2, 4)])
+    s.swap_out(cpu, [(4, 0)])
+    assert torch.equal(cpu.gather(0, torch.tensor([0]), 3)[0], gk)

@@ -46,7 +46,7 @@ def full_logits(model, ids):
     T = len(ids)
     backend = TorchAttentionBackend(16, torch.float32)
     install(model, backend, [0] * model.config.num_hidden_layers)
-    meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]))
+    meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]), None)
     hidden = model(torch.tensor(ids), torch.arange(T), ForwardContext(None, [meta]))
     return model.compute_logits(hidden)
 

@@ -107,3 +107,13 @@ def test_stop_strings_truncate_and_finish(stories):
     streamed = "".join(o.outputs[0].delta for o in llm.stream("Once upon a time",
                                                                SamplingParams(temperature=0, max_tokens=30, stop=["Lily"])))
     assert streamed == c.text
+
+
+@pytest.mark.parametrize("temperature", [0.0, 3.8e-199, 1e-300, 9e-6])
+def test_a_temperature_that_underflows_is_greedy(temperature):
+    """Found by the API fuzzer: 3.8e-199 becomes 0 in fp32, and dividing by it made NaN."""
+    params = SamplingParams(temperature=temperature, n=4, min_p=0.8, repetition_penalty=9.97, logprobs=6)
+    logits = torch.tensor([[3.0, 5.0, -1.0, 0.5, 4.0]])
+    tokens, _ = Sampler(0)(logits, [seq("a", params, n=4, prompt=[1, 4])])
+    assert tokens == [[Sampler(0)(logits, [seq("b", SamplingParams(temperature=0, repetition_penalty=9.97),
+                                              prompt=[1, 4])])[0][0][0]] * 4]
