@@ -1,4 +1,4 @@
-"""kvserve generate | chat | memory | serve | bench.
+"""kvserve generate | chat | memory | eval | serve | bench.
 
 User mistakes (a missing file, a bad option value, a prompt longer than the context) print one
 line naming the problem and exit 2; nothing prints a traceback for them.
@@ -198,6 +198,44 @@ def _human(n: float) -> str:
     return str(n)
 
 
+# ---- eval ----
+def cmd_eval(a: argparse.Namespace) -> int:
+    from kvserve.eval.perplexity import perplexity
+    try:
+        with open(a.text, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"--text {a.text}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    if a.chunk < 1 or a.context < 2:
+        raise UserError(f"need --chunk >= 1 and --context >= 2, got {a.chunk} and {a.context}")
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.models.registry import load_weights
+    opts = {**engine_options(a), "max_num_batched_tokens": a.chunk, "max_prefill_chunk": a.chunk,
+            "max_num_seqs": 1, "max_model_len": max(a.context, a.max_model_len or 0)}
+    loaded = load_weights(a.model, a.tokenizer)  # one copy of the weights for both engines
+    engine = LLMEngine.from_options(a.model, loaded=loaded, **opts)
+    if engine.tokenizer is None:
+        raise UserError(f"model {a.model!r} has no tokenizer to read --text with")
+    tokens = engine.tokenizer.encode(text)[:a.max_text_tokens]
+    if len(tokens) < 2:
+        raise UserError(f"--text {a.text} holds {len(tokens)} tokens; at least 2 are needed")
+    reference = None
+    if a.reference_kv_dtype:
+        reference = LLMEngine.from_options(a.model, loaded=loaded, **{**opts, "kv_cache_dtype": a.reference_kv_dtype})
+    r = perplexity(engine, tokens, a.context, a.stride or a.context, reference, progress=not a.json)
+    if a.json:
+        print(json.dumps(r.as_dict()))
+        return 0
+    print(f"{r.num_tokens:,} tokens scored (context {r.context}, stride {r.stride}), kv cache {r.kv_cache_dtype}: "
+          f"perplexity {r.perplexity:.4f}")
+    if reference is not None:
+        assert r.delta_perplexity is not None and r.mean_kl is not None and r.top1_agreement is not None
+        print(f"reference kv cache {r.reference_kv_dtype}: perplexity {r.reference_perplexity:.4f}; "
+              f"delta {100 * r.delta_perplexity:+.3f}%, mean KL {r.mean_kl:.6f}, top-1 agreement "
+              f"{100 * r.top1_agreement:.2f}%")
+    return 0
+
+
 # ---- serve / bench ----
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvserve.server.app import serve
@@ -239,6 +277,18 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_memory)
+    e = sub.add_parser("eval", help="evaluations through the real cache")
+    esub = e.add_subparsers(dest="eval", required=True)
+    ep = esub.add_parser("perplexity", help="perplexity of a text (and KL against a reference cache format)")
+    ep.add_argument("--text", required=True, help="a UTF-8 text file")
+    ep.add_argument("--context", type=int, default=2048, help="tokens per window")
+    ep.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --context)")
+    ep.add_argument("--chunk", type=int, default=512, help="prefill chunk: later chunks read earlier ones from the cache")
+    ep.add_argument("--reference-kv-dtype", default=None, help="also run this cache format: KL, top-1, delta")
+    ep.add_argument("--max-text-tokens", type=int, default=None, help="score only the first N tokens")
+    ep.add_argument("--json", action="store_true")
+    add_engine_args(ep)
+    ep.set_defaults(func=cmd_eval)
     from kvserve.server.args import add_serve_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)

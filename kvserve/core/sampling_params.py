@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: Optional[int] = None  # number of top logprobs to return per token
+    prompt_logprobs: Optional[int] = None  # likewise for every prompt token (vLLM's name)
     include_stop_str_in_output: bool = False
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
@@ -61,8 +62,9 @@ class SamplingParams:
              "presence_penalty", "must be in [-2, 2]"),
             (_is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              "frequency_penalty", "must be in [-2, 2]"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
-             "must be an integer >= 1"),
+            (isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
+             and (self.max_tokens >= 1 or (self.max_tokens == 0 and self.prompt_logprobs is not None)),
+             "max_tokens", "must be an integer >= 1 (0 only to score the prompt: with prompt_logprobs)"),
             (isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
              "min_tokens", "must be in [0, max_tokens]"),
             (self.seed is None or isinstance(self.seed, int), "seed", "must be an integer"),
@@ -71,6 +73,10 @@ class SamplingParams:
              "must be non-negative integers"),
             (self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              "logprobs", "must be an integer in [0, 20]"),
+            (self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int)
+                                              and not isinstance(self.prompt_logprobs, bool)
+                                              and 0 <= self.prompt_logprobs <= 20),
+             "prompt_logprobs", "must be an integer in [0, 20]"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -171,6 +171,9 @@ class Scheduler:
             if req is None:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(seq.input_token_ids)
+            if req.sampling_params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:  # scored
+                self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
+                touched.append(req)
             if not seq.num_samples:
                 continue
             tokens = result.sampled_token_ids[seq.request_id]
@@ -257,7 +260,9 @@ class Scheduler:
                 if not self.kv.swap_in(req, num_new):
                     break
             else:
-                cached_blocks, num_cached = self.kv.find_cached_prefix(req)
+                # a request scoring its prompt computes every prompt token: cached blocks have no logits
+                scoring = req.sampling_params.prompt_logprobs is not None
+                cached_blocks, num_cached = self.kv.find_cached_prefix(req, use_cache=not scoring)
                 num_new = self._num_new_tokens(req, num_cached, budget)
                 if not self.kv.allocate_slots(req, num_new, cached_blocks):
                     break
@@ -314,14 +319,16 @@ class Scheduler:
         done = start + num_new == req.num_tokens
         params = req.sampling_params
         num_samples = 0
-        if done:
+        if done and params.max_tokens > 0:
             num_samples = params.n if self._is_fork_point(req) else 1
         spec, req.spec_token_ids = req.spec_token_ids[:num_spec], []
+        scores_prompt = params.prompt_logprobs is not None and start < req.num_prompt_tokens
         return ScheduledSequence(
             req.request_id, req.all_token_ids[start:start + num_new], start,
             self.kv.take_table_updates(req.request_id), params, num_samples,
             req.prompt_token_ids, req.output_token_ids,
-            None if params.seed is None else params.seed + req.sample_index, spec)
+            None if params.seed is None else params.seed + req.sample_index, spec,
+            num_logit_rows=num_new if scores_prompt else 0)
 
     @staticmethod
     def _is_fork_point(req: Request) -> bool:

@@ -9,7 +9,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -17,7 +17,7 @@ from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.cache_group import CacheGroupSpec, layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager, single_group
-from kvserve.core.outputs import SchedulerStats
+from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
 from kvserve.engine.output_processor import OutputProcessor
@@ -93,6 +93,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         self.outputs = OutputProcessor(self.tokenizer)
+        # called with (request id, first position, logits [rows, vocab]) for prompt rows asked for
+        self.prompt_logits_hook: Optional[Callable[[str, int, torch.Tensor], None]] = None
         self._ids = itertools.count()
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0
         self._last_step_tokens = 0
@@ -164,9 +166,10 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        if len(ids) >= self.max_model_len:
+        room = self.max_model_len - (params.max_tokens > 0)  # room for one generated token, if any
+        if len(ids) > room:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
-                             f"{self.max_model_len}, so at most {self.max_model_len - 1} fit")
+                             f"{self.max_model_len}, so at most {room} fit")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
         needed = num_blocks_for(longest, self.plan.block_size)
         if needed > self.plan.num_blocks:
@@ -189,6 +192,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)
+        self._prompt_rows(sched.scheduled, result)
         touched = self.scheduler.update(sched, result)
         self.num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
@@ -208,6 +212,32 @@ class LLMEngine:
                 touched_ids.append(rid)
         self._maybe_log()
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
+
+    def _prompt_rows(self, seqs: Sequence[ScheduledSequence], result: ModelRunnerOutput) -> None:
+        """Prompt chunks that asked for their rows: each row at position p scores prompt token
+        p + 1 (logprob, and the k most likely), and goes to `prompt_logits_hook` if one is set."""
+        for s in seqs:
+            rows = result.logits.get(s.request_id)
+            if rows is None:
+                continue
+            if self.prompt_logits_hook is not None:
+                self.prompt_logits_hook(s.request_id, s.start_position, rows)
+            targets = s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + len(rows)]
+            if not targets:
+                continue
+            lp = rows[:len(targets)].log_softmax(-1)
+            chosen = lp.gather(1, torch.tensor(targets, device=lp.device).unsqueeze(1))[:, 0].tolist()
+            k = s.sampling_params.prompt_logprobs or 0
+            top = lp.topk(min(k, lp.shape[-1])) if k else None
+            scored = []
+            for i, (t, c) in enumerate(zip(targets, chosen)):
+                d = {t: c}
+                if top is not None:
+                    d.update(zip(top.indices[i].tolist(), top.values[i].tolist()))
+                scored.append(d)
+            state = self.scheduler.requests.get(s.request_id)
+            if state is not None:
+                self.outputs.add_prompt_logprobs(state.group_id, s.start_position, scored)
 
     def _record_footprint(self, req: Request) -> None:
         state = self.outputs.states.get(req.group_id)

@@ -76,6 +76,7 @@ class RequestState:
     group: RequestGroup
     samples: dict[int, SampleState] = field(default_factory=dict)
     error: Optional[str] = None
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -92,7 +93,17 @@ class OutputProcessor:
     def add(self, req: Request, prompt: Optional[str]) -> None:
         self.states[req.request_id] = RequestState(
             req.request_id, prompt, req.prompt_token_ids, req.sampling_params,
-            RequestMetrics(req.arrival_time), req.group)  # type: ignore[arg-type]
+            RequestMetrics(req.arrival_time), req.group,  # type: ignore[arg-type]
+            prompt_logprobs=None if req.sampling_params.prompt_logprobs is None else [None])
+
+    def add_prompt_logprobs(self, request_id: str, start: int, logprobs: list[dict[int, float]]) -> None:
+        """Logprobs of prompt tokens start + 1 .. (rows from position start on); positions already
+        recorded (a preempted request computes its prompt again) are skipped."""
+        state = self.states.get(request_id)
+        if state is None or state.prompt_logprobs is None:
+            return
+        done = len(state.prompt_logprobs)
+        state.prompt_logprobs += logprobs[max(done - 1 - start, 0):]
 
     def process(self, req: Request) -> Optional[str]:
         """Fold a request's new tokens into its sample; returns the stop string it hit, if any."""
@@ -130,7 +141,7 @@ class OutputProcessor:
             return None
         completions = [self._completion(s, state.params) for _, s in sorted(state.samples.items())]
         out = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                            state.finished, state.metrics, state.error)
+                            state.finished, state.metrics, state.error, state.prompt_logprobs)
         if state.finished:
             del self.states[request_id]
         return out

@@ -53,6 +53,9 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     error: Optional[str] = None
+    # with SamplingParams(prompt_logprobs=k): per prompt token, {its id: logprob} plus the k most
+    # likely ids; None for the first token (nothing precedes it), as vLLM returns them
+    prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
 
     @property
     def num_cached_tokens(self) -> int:

@@ -1,0 +1,1 @@
+"""Evaluations through the engine's real cache: `kvserve eval perplexity`."""

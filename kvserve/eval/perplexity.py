@@ -1,0 +1,158 @@
+"""Perplexity of a text through the engine's real cache, and, against a reference cache format,
+the mean KL divergence and top-1 agreement on the same tokens (llama.cpp's
+`llama-perplexity --kl-divergence`).
+
+The text is cut into windows of `context` tokens starting every `stride` tokens; each window is
+one request, prefilled in chunks of `chunk` tokens, so later tokens attend to earlier ones
+through the cache in its chosen format (quantized K/V included). A token is scored once, in the
+first window that holds it with at least one token before it:
+
+    window i = tokens [i * stride, i * stride + context)
+    scored   = its tokens after the previous window's end (after its own first token)
+
+With a reference format a second engine over the same weights runs the same windows in the same
+steps; each scored row compares the two distributions: KL(reference || test) and whether their
+most likely tokens agree.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from kvserve.core.sampling_params import SamplingParams
+
+
+@dataclass
+class Windows:
+    starts: list[int]  # first token of each window
+    scored: list[tuple[int, int]]  # per window: [first, end) tokens it scores
+
+    @classmethod
+    def cut(cls, num_tokens: int, context: int, stride: int) -> "Windows":
+        """Windows.cut(10, 4, 4).scored == [(1, 4), (5, 8), (9, 10)]"""
+        if context < 2 or not 1 <= stride <= context:
+            raise ValueError(f"need context >= 2 and 1 <= stride <= context, got context {context}, stride {stride}")
+        starts, scored, prev_end = [], [], 0
+        for start in range(0, max(num_tokens - 1, 1), stride):
+            end = min(start + context, num_tokens)
+            first = max(start + 1, prev_end)
+            if first < end:
+                starts.append(start)
+                scored.append((first, end))
+            prev_end = end
+            if end == num_tokens:
+                break
+        return cls(starts, scored)
+
+
+@dataclass
+class PerplexityResult:
+    num_tokens: int
+    perplexity: float
+    mean_nll: float
+    kv_cache_dtype: str
+    context: int
+    stride: int
+    reference_kv_dtype: Optional[str] = None
+    reference_perplexity: Optional[float] = None
+    mean_kl: Optional[float] = None
+    top1_agreement: Optional[float] = None
+    windows: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def delta_perplexity(self) -> Optional[float]:
+        if self.reference_perplexity is None:
+            return None
+        return self.perplexity / self.reference_perplexity - 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "delta_perplexity": self.delta_perplexity}
+
+
+class _Scorer:
+    """Sums over scored rows: NLL of the real next token, and against a reference KL and top-1."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.nll = self.ref_nll = self.kl = 0.0
+        self.agree = 0
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: Optional[torch.Tensor]) -> None:
+        lp = logits.float().log_softmax(-1)
+        self.n += len(targets)
+        self.nll -= lp.gather(1, targets.unsqueeze(1)).sum().item()
+        if ref is not None:
+            ref_lp = ref.float().log_softmax(-1)
+            self.ref_nll -= ref_lp.gather(1, targets.unsqueeze(1)).sum().item()
+            self.kl += (ref_lp.exp() * (ref_lp - lp)).sum().item()
+            self.agree += int((ref_lp.argmax(-1) == lp.argmax(-1)).sum().item())
+
+
+def perplexity(engine: Any, tokens: list[int], context: int, stride: int, reference: Any = None,
+               progress: bool = False) -> PerplexityResult:
+    """Score `tokens` through `engine` (and `reference`, an engine over the same model with
+    another cache format). Both must schedule the same way (the same token budget and chunk)."""
+    if context > engine.max_model_len:
+        raise ValueError(f"--context {context} is longer than the model's context ({engine.max_model_len})")
+    windows = Windows.cut(len(tokens), context, stride)
+    total, per_window = _Scorer(), []
+    bar = _bar(len(windows.starts)) if progress else None
+    for start, (first, end) in zip(windows.starts, windows.scored):
+        window = tokens[start:min(start + context, len(tokens))]
+        w = _Scorer()
+        _score_window(engine, reference, window, first - start, end - start, w)
+        for key in ("n", "nll", "ref_nll", "kl", "agree"):
+            setattr(total, key, getattr(total, key) + getattr(w, key))
+        per_window.append({"start": start, "tokens": w.n, "perplexity": math.exp(w.nll / w.n)})
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    result = PerplexityResult(total.n, math.exp(total.nll / total.n), total.nll / total.n,
+                              engine.plan.kv_format.name, context, stride, windows=per_window)
+    if reference is not None:
+        result.reference_kv_dtype = reference.plan.kv_format.name
+        result.reference_perplexity = math.exp(total.ref_nll / total.n)
+        result.mean_kl = total.kl / total.n
+        result.top1_agreement = total.agree / total.n
+    return result
+
+
+def _score_window(engine: Any, reference: Any, window: list[int], first: int, end: int, scorer: _Scorer) -> None:
+    """Rows at positions first - 1 .. end - 2 predict tokens first .. end - 1."""
+    engines = [engine] if reference is None else [engine, reference]
+    rows: list[list[tuple[int, torch.Tensor]]] = [[] for _ in engines]
+    for i, e in enumerate(engines):
+        e.prompt_logits_hook = lambda rid, start, logits, i=i: rows[i].append((start, logits))
+        e.add_request("ppl", window, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0))
+    targets = torch.tensor(window)
+    try:
+        while engine.has_unfinished():
+            for e in engines:
+                e.step()
+            for chunks in zip(*rows):  # the same step in each engine: the same positions
+                start, logits = chunks[0]
+                assert all(c[0] == start for c in chunks), "the engines scheduled the window differently"
+                lo, hi = max(start, first - 1), min(start + len(logits), end - 1)
+                if lo < hi:
+                    pick = [c[1][lo - start:hi - start] for c in chunks]
+                    scorer.add(pick[0], targets[lo + 1:hi + 1], pick[1] if reference is not None else None)
+            for r in rows:
+                r.clear()
+    finally:
+        for e in engines:
+            e.prompt_logits_hook = None
+            e.abort("ppl")
+
+
+def _bar(total: int):  # type: ignore[no-untyped-def]
+    try:
+        from tqdm import tqdm
+        return tqdm(total=total, desc="perplexity", unit="window", file=sys.stderr)
+    except ImportError:
+        return None

