@@ -29,10 +29,10 @@ def select(name: str, storage: Optional[KVStorage], device: torch.device, block_
     if name not in ("auto", "cpu-kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKENDS}")
     if not supported:
-        raise ValueError("attention backend 'cpu-kernel' runs on CPU over a cache of the model's dtype only")
-    fn = cpu_kernel.decode_fn()
-    if fn is None:
+        raise ValueError("attention backend 'cpu-kernel' runs on CPU, over a paged cache")
+    module = cpu_kernel.kernel_module()
+    if module is None:
         if name == "cpu-kernel":
             raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure()}")
         return TorchAttentionBackend(block_size, dtype)
-    return cpu_kernel.CpuKernelAttentionBackend(block_size, dtype, fn)
+    return cpu_kernel.CpuKernelAttentionBackend(block_size, dtype, module)

@@ -1,25 +1,24 @@
 """The CPU kernel backend: decodes through the compiled kernel
 (kvserve/kernels/csrc/paged_attention.cpp), which reads each context's K/V blocks in place
-through the block table, exactly its length (no gathered copy, no padding mask); chunks take
-the torch path."""
+through the block table, exactly its length (no gathered copy, no padding mask), dequantizing
+quantized blocks (int8, fp8, int4) one block at a time in registers; chunks take the torch path."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 from kvserve import kernels
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
-from kvserve.kv.storage import DenseKVStorage, KVStorage
+from kvserve.kv.storage import KVStorage
 
 
-def decode_fn(isa: Optional[str] = None) -> Optional[Callable[..., torch.Tensor]]:
+def kernel_module(isa: Optional[str] = None) -> Optional[Any]:
     """The kernel at level `isa` (default: the best this CPU runs), or None where it cannot be
     built or compiled kernels are turned off."""
-    module: Any = kernels.load("paged_attention", isa)
-    return None if module is None else module.paged_decode
+    return kernels.load("paged_attention", isa)
 
 
 def failure() -> Optional[str]:
@@ -29,20 +28,20 @@ def failure() -> Optional[str]:
 class CpuKernelAttentionBackend(TorchAttentionBackend):
     name = "cpu-kernel"
 
-    def __init__(self, block_size: int, dtype: torch.dtype, decode: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, block_size: int, dtype: torch.dtype, module: Any) -> None:
         super().__init__(block_size, dtype)
-        self.paged_decode = decode
+        self.module = module
 
     @staticmethod
     def supports(storage: Optional[KVStorage], device: torch.device, dtype: torch.dtype) -> bool:
-        """CPU, and a dense cache in the model's dtype."""
-        return device.type == "cpu" and isinstance(storage, DenseKVStorage) and storage.dtype == dtype
+        """A paged cache on CPU, in any format (the kernel reads each format's blocks itself)."""
+        return device.type == "cpu" and storage is not None
 
     def _decode_mask(self, meta: TorchAttentionMetadata) -> None:
         """The kernel reads each context's exact length: no padding mask to build."""
 
     def decode(self, layer: int, q: torch.Tensor, storage: KVStorage, meta: AttentionMetadata,
                scale: float) -> torch.Tensor:
-        t = storage.layer_tensors(layer)
-        return self.paged_decode(q.contiguous(), t["k"], t["v"], meta.decode_block_tables,
-                                 meta.decode_context_lens, scale)
+        entry, operands = storage.decode_operands(layer)
+        return getattr(self.module, entry)(q.contiguous(), *operands, meta.decode_block_tables,
+                                           meta.decode_context_lens, scale)

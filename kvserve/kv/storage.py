@@ -76,6 +76,11 @@ class KVStorage(ABC):
         """The layer's tensors as stored, for kernels that read blocks in place."""
 
     @abstractmethod
+    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        """The CPU decode kernel's entry point for this format and what it reads of the layer
+        (kvserve/kernels/csrc/paged_attention.cpp: q, these, tables, lengths, scale)."""
+
+    @abstractmethod
     def copy_blocks(self, pairs: BlockPairs) -> None:
         """dst block := src block (copy-on-write)."""
 
@@ -178,6 +183,10 @@ class DenseKVStorage(BlockTensorStorage):
     def reads_back_exactly(self, dtype: torch.dtype) -> bool:
         return self.dtype == dtype
 
+    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        t = self.layer_tensors(layer)
+        return "paged_decode", (t["k"], t["v"])
+
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))
@@ -197,6 +206,10 @@ class Int8KVStorage(BlockTensorStorage):
         super().__init__(layer_to_tensor, num_blocks, block_size,
                          {"k": (values, torch.int8), "k_scale": (scales, torch.float32),
                           "v": (values, torch.int8), "v_scale": (scales, torch.float32)}, device)
+
+    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        t = self.layer_tensors(layer)
+        return "paged_decode_int8", (t["k"], t["k_scale"], t["v"], t["v_scale"])
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -229,6 +242,11 @@ class Fp8KVStorage(BlockTensorStorage):
             raise ValueError(f"fp8 kv scales must be positive, shaped [layers, 2, kv_heads] = "
                              f"{list(self.scales.shape)}, got {list(scales.shape)}")
         self.scales = scales.float().to(self.device)
+
+    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        t = self.layer_tensors(layer)
+        return "paged_decode_fp8", (t["k"], t["v"], self.table, self.scales[layer, 0], self.scales[layer, 1],
+                                    self.format == "fp8_e4m3")
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -375,6 +393,11 @@ class Int4KVStorage(BlockTensorStorage):
             t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = quant.quantize_int4(stage["v"], dim=-1)
 
     # ---- reads ----
+    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+        t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
+        return "paged_decode_int4", (t["k"], t["k_scale"], t["k_zero"], t["v"], t["v_scale"], t["v_zero"],
+                                     self.slot_of, r["k"], r["v"])
+
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
         flat = block_tables.reshape(-1)

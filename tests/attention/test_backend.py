@@ -94,3 +94,76 @@ def test_torch_backend_can_be_forced(stories):
     assert make_engine(stories, attention_backend="torch").runner.backend.name == "torch"
     assert make_engine(stories, attention_backend="cpu-kernel").runner.backend.name == "cpu-kernel"
     assert make_engine(stories).runner.backend.name == "cpu-kernel"  # auto, on CPU
+
+
+# ---- quantized caches: the kernel reads the blocks itself ----
+from kvserve.kv.storage import make_storage  # noqa: E402
+
+QUANTIZED = ["int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+
+
+def filled_storage(fmt, lens, KVH=3, D=64, BS=16, seed=0):
+    """A one-layer storage of format fmt holding len tokens per sequence, written a few tokens a
+    step (so int4 has filled blocks and open ones), and each sequence's block table."""
+    g = torch.Generator().manual_seed(seed)
+    kind = "dense" if fmt in ("float32", "bfloat16") else fmt.split("_")[0]
+    nb = sum(-(-L // BS) for L in lens) + 2
+    storage = make_storage(kind, fmt, [0], nb, BS, KVH, D, torch.float32, "cpu", num_residual_slots=2)
+    if kind == "fp8":
+        storage.set_scales(torch.rand(1, 2, KVH, generator=g) * 0.02 + 0.01)
+    perm = torch.randperm(nb - 1, generator=g).tolist()
+    tables, i = [], 0
+    for L in lens:
+        n = -(-L // BS)
+        tables.append(perm[i:i + n])
+        i += n
+    written = [0] * len(lens)
+    while any(w < L for w, L in zip(written, lens)):
+        slots = []
+        for s, (w, L) in enumerate(zip(written, lens)):
+            step = min(L - w, 1 + (w * 7 + s) % 23)
+            slots += [tables[s][p // BS] * BS + p % BS for p in range(w, w + step)]
+            written[s] = w + step
+        slots = torch.tensor(slots)
+        storage.begin_step()
+        k, v = torch.randn(len(slots), KVH, D, generator=g) * 2, torch.randn(len(slots), KVH, D, generator=g)
+        storage.write(0, k, v, storage.plan_writes(slots))
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [nb - 1] * (width - len(t)) for t in tables])
+    return storage, padded, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("fmt", QUANTIZED)
+@pytest.mark.parametrize("H, D", [(9, 64), (6, 32), (6, 24)], ids=["d64-fast", "d32-fast", "d24-portable"])
+def test_kernel_over_quantized_blocks_equals_dequantize_then_attend(kernel_module, fmt, H, D):
+    lens = [1, 15, 16, 17, 40, 100]
+    storage, tables, n = filled_storage(fmt, lens, KVH=3, D=D)
+    if fmt == "int4":
+        assert (storage.slot_of[tables.flatten()] >= 0).any()  # some blocks are still filling
+    q = torch.randn(len(lens), H, D, generator=torch.Generator().manual_seed(1))
+    backend = TorchAttentionBackend(16, torch.float32)
+    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=len(lens), decode_block_tables=tables,
+                                                    decode_context_lens=n, decode_max_context=int(n.max())), None)
+    ref = backend.decode(0, q, storage, meta, D ** -0.5)  # gathers, dequantizes, SDPA
+    entry, operands = storage.decode_operands(0)
+    out = getattr(kernel_module, entry)(q, *operands, tables, n, D ** -0.5)
+    assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.fixture(scope="module", params=kernel_isas("paged_attention"))
+def kernel_module(request):
+    module = compiled_kernel("paged_attention", request.param)
+    assert module.isa() == request.param
+    return module
+
+
+def test_kernel_reads_a_bf16_cache_for_fp32_queries(kernel_module):
+    lens = [5, 33, 70]
+    storage, tables, n = filled_storage("bfloat16", lens)
+    q = torch.randn(3, 9, 64, generator=torch.Generator().manual_seed(2))
+    backend = TorchAttentionBackend(16, torch.float32)
+    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=3, decode_block_tables=tables,
+                                                    decode_context_lens=n, decode_max_context=int(n.max())), None)
+    ref = backend.decode(0, q, storage, meta, 0.125)
+    entry, operands = storage.decode_operands(0)
+    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125) - ref).abs().max().item() < 1e-5

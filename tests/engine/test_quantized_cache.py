@@ -89,7 +89,8 @@ def test_formats_cost_what_the_formula_says(stories):
     (dict(kv_cache_dtype="int3"), "unknown kv cache dtype 'int3'"),
     (dict(kv_cache_dtype="int4", kv_layout="contiguous"), "contiguous"),
     (dict(kv_cache_dtype="int8", kv_cache_scales="s.json"), "fp8"),
-    (dict(kv_cache_dtype="int8", attention_backend="cpu-kernel", device="cuda"), "device"),
+    (dict(kv_cache_dtype="int8", device="cuda"), "CUDA"),
+    (dict(use_cache=False, attention_backend="cpu-kernel"), "paged cache"),
 ])
 def test_bad_choices_are_refused_naming_the_problem(stories, options, message):
     with pytest.raises(ValueError, match=message):

@@ -1,28 +1,41 @@
 // Decode attention over a paged KV cache on CPU: one query token per sequence attends to its
-// context, read in place through its block table (no gathered copy of K/V).
+// context, read in place through its block table (no gathered copy of K/V, nothing expanded
+// beyond the block being read).
 //
 //   q        [B, H, D]                  (H = KVH * G query heads; G share one K/V head)
-//   k_cache  [num_blocks, BS, KVH, D]   v_cache likewise
+//   cache    [num_blocks, BS, KVH, D]   in one of the formats below
 //   tables   [B, max_blocks] int64      ctx_lens [B] int64
 //   out      [B, H, D]
 //
-// Work is split over (sequence, kv head) pairs; each pair streams its K and V rows once and
-// serves all G query heads of its group. Scores and accumulation are in fp32.
+// Work is split over (sequence, kv head) pairs; each pair walks its blocks twice (K, then V),
+// turns each block's rows into fp32 (a pointer into the cache for fp32, or a small buffer the
+// block is dequantized into, in registers and L1) and serves all G query heads of its group.
+// Scores and accumulation are in fp32. Formats (each a Source below):
 //
-// Two paths: a portable loop for any shape and any x86-64, and an AVX-512 one for the common
-// head dims. The build decides which exist (kvserve/kernels builds this file once per
-// instruction-set level and loads the one the CPU runs); `isa()` names the build.
+//   dense   fp32 / bf16 / fp16 rows as stored
+//   int8    q * s,  s per token and head                        (k_scale, v_scale [nb, BS, KVH] fp32)
+//   fp8     value(code) * s,  s per layer and head              (the 256 code values; scales [KVH])
+//   int4    nibble * s + z: keys s, z per channel per block     (k_scale, k_zero [nb, KVH, D] fp16)
+//           values s, z per token                               (v_scale, v_zero [nb, BS, KVH] fp16)
+//           byte c holds channel c (low nibble) and c + D/2 (high); a block still filling
+//           (slot_of[block] >= 0) is read from its full-precision residual slot instead
+//
+// Two paths: a portable loop for any shape and any x86-64, and an AVX-512 one for head dims
+// 16/32/64/128 with up to 8 query heads per K/V head. The build decides which exist
+// (kvserve/kernels builds this file once per instruction-set level and loads the one the CPU
+// runs); `isa()` names the build.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <string>
 #include <type_traits>
@@ -30,20 +43,201 @@
 
 namespace {
 
-// Calls row(t, ptr) for each token t in [0, L), ptr pointing at its K (or V) row for KV head kh;
-// the block table is read once per block, not once per token.
-template <typename scalar_t, typename RowFn>
-inline void for_each_row(const scalar_t* cache, const int64_t* table, int64_t L, int64_t BS, int64_t KVH,
-                         int64_t kh, int64_t D, RowFn&& row) {
+struct Rows {  // n rows of D floats, row i at ptr + i * stride
+  const float* ptr;
+  int64_t stride;
+};
+
+struct Shape {
+  int64_t BS, KVH, D;
+  int64_t row(int64_t blk, int64_t i, int64_t kh) const { return (blk * BS + i) * KVH + kh; }  // [nb, BS, KVH]
+};
+
+// fp16 -> fp32 by the F16C instructions where the build has them (c10::Half's own conversion is
+// bit arithmetic in software, which made half the cost of an int4 block).
+inline float h2f(c10::Half h) {
+#if defined(__F16C__)
+  return _cvtsh_ss(h.x);
+#else
+  return static_cast<float>(h);
+#endif
+}
+
+inline void h2f(const c10::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = h2f(src[i]);
+}
+
+// ---- sources: one block's rows of K or V for one KV head, as fp32 ----
+template <typename T>
+struct Dense {
+  const T* cache;
+  Shape s;
+  Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
+    const T* base = cache + s.row(blk, 0, kh) * s.D;
+    if constexpr (std::is_same_v<T, float>) {
+      return {base, s.KVH * s.D};
+    } else {
+      for (int64_t i = 0; i < n; ++i) {
+        const T* __restrict__ r = base + i * s.KVH * s.D;
+        float* __restrict__ o = buf + i * s.D;
+        int64_t d = 0;
+#if defined(__AVX512F__)
+        for (; d + 16 <= s.D; d += 16) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r + d));
+          if constexpr (std::is_same_v<T, c10::BFloat16>)  // bf16 is the top half of fp32
+            _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+          else if constexpr (std::is_same_v<T, c10::Half>)
+            _mm512_storeu_ps(o + d, _mm512_cvtph_ps(raw));
+          else
+            break;
+        }
+#endif
+        for (; d < s.D; ++d) o[d] = static_cast<float>(r[d]);
+      }
+      return {buf, s.D};
+    }
+  }
+};
+
+struct Int8 {
+  const int8_t* q;
+  const float* scale;
+  Shape s;
+  Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
+    for (int64_t i = 0; i < n; ++i) {
+      const int8_t* __restrict__ r = q + s.row(blk, i, kh) * s.D;
+      float* __restrict__ o = buf + i * s.D;
+      const float si = scale[s.row(blk, i, kh)];
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      for (; d + 16 <= s.D; d += 16)
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d)))), _mm512_set1_ps(si)));
+#endif
+      for (; d < s.D; ++d) o[d] = static_cast<float>(r[d]) * si;
+    }
+    return {buf, s.D};
+  }
+};
+
+#if defined(__AVX512F__)
+// 16 fp8 codes -> fp32 by bit arithmetic: a normal code (exponent field e > 0) is
+// sign | (e + 127 - bias) << 23 | mantissa << (23 - mantissa bits); a subnormal one is
+// mantissa * 2^(1 - bias - mantissa bits). e4m3: 3 mantissa bits, bias 7; e5m2: 2 and 15.
+// Codes are never NaN or inf: values saturate when written.
+template <int MBITS, int BIAS>
+inline __m512 fp8x16(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  const __m512i e = _mm512_and_si512(_mm512_srli_epi32(b, MBITS), _mm512_set1_epi32((0x7F >> MBITS)));
+  const __m512i m = _mm512_and_si512(b, _mm512_set1_epi32((1 << MBITS) - 1));
+  const __m512i normal = _mm512_or_si512(sign, _mm512_or_si512(
+      _mm512_slli_epi32(_mm512_add_epi32(e, _mm512_set1_epi32(127 - BIAS)), 23), _mm512_slli_epi32(m, 23 - MBITS)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(m), _mm512_set1_ps(std::ldexp(1.f, 1 - BIAS - MBITS)));
+  const __m512i subbits = _mm512_or_si512(sign, _mm512_castps_si512(sub));
+  const __mmask16 is_sub = _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512());
+  return _mm512_castsi512_ps(_mm512_mask_blend_epi32(is_sub, normal, subbits));
+}
+#endif
+
+struct Fp8 {
+  const uint8_t* q;
+  const float* table;  // [256]
+  const float* head_scale;  // [KVH]
+  bool e4m3;
+  Shape s;
+  Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
+    const float hs = head_scale[kh];
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* __restrict__ r = q + s.row(blk, i, kh) * s.D;
+      float* __restrict__ o = buf + i * s.D;
+      int64_t d = 0;
+#if defined(__AVX512F__)
+      const __m512 h = _mm512_set1_ps(hs);
+      for (; d + 16 <= s.D; d += 16)
+        _mm512_storeu_ps(o + d, _mm512_mul_ps(e4m3 ? fp8x16<3, 7>(r + d) : fp8x16<2, 15>(r + d), h));
+#endif
+      for (; d < s.D; ++d) o[d] = table[r[d]] * hs;
+    }
+    return {buf, s.D};
+  }
+};
+
+// int4: keys (per_channel) or values (per token); an open block comes from its residual slot.
+template <typename R, bool per_channel>
+struct Int4 {
+  const uint8_t* q;
+  const c10::Half* scale;
+  const c10::Half* zero;
+  const int64_t* slot_of;
+  Dense<R> residual;
+  Shape s;
+  Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
+    if (slot_of[blk] >= 0) return residual.rows(slot_of[blk], kh, n, buf);
+    const int64_t D = s.D, half = D / 2;
+    float sc[256], zc[256];  // per-channel scale and zero of this block (D <= 256)
+    if constexpr (per_channel) {
+      const int64_t at = (blk * s.KVH + kh) * D;
+      h2f(scale + at, sc, D);
+      h2f(zero + at, zc, D);
+    }
+    for (int64_t i = 0; i < n; ++i) {  // restrict: a byte pointer may alias anything, which stops vectorizing
+      const uint8_t* __restrict__ r = q + s.row(blk, i, kh) * half;
+      float* __restrict__ o = buf + i * D;
+#if defined(__AVX512F__)
+      if (half % 16 == 0) {  // 16 bytes -> 16 low and 16 high nibbles as fp32, one FMA each
+        const __m512 si = _mm512_set1_ps(per_channel ? 0.f : h2f(scale[s.row(blk, i, kh)]));
+        const __m512 zi = _mm512_set1_ps(per_channel ? 0.f : h2f(zero[s.row(blk, i, kh)]));
+        for (int64_t c = 0; c < half; c += 16) {
+          const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + c)));
+          const __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+          const __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+          if constexpr (per_channel) {
+            _mm512_storeu_ps(o + c, _mm512_fmadd_ps(lo, _mm512_loadu_ps(sc + c), _mm512_loadu_ps(zc + c)));
+            _mm512_storeu_ps(o + c + half, _mm512_fmadd_ps(hi, _mm512_loadu_ps(sc + c + half), _mm512_loadu_ps(zc + c + half)));
+          } else {
+            _mm512_storeu_ps(o + c, _mm512_fmadd_ps(lo, si, zi));
+            _mm512_storeu_ps(o + c + half, _mm512_fmadd_ps(hi, si, zi));
+          }
+        }
+        continue;
+      }
+#endif
+      if constexpr (per_channel) {
+        for (int64_t c = 0; c < half; ++c) {
+          o[c] = static_cast<float>(r[c] & 15) * sc[c] + zc[c];
+          o[c + half] = static_cast<float>(r[c] >> 4) * sc[c + half] + zc[c + half];
+        }
+      } else {
+        const float si = h2f(scale[s.row(blk, i, kh)]), zi = h2f(zero[s.row(blk, i, kh)]);
+        for (int64_t c = 0; c < half; ++c) {
+          o[c] = static_cast<float>(r[c] & 15) * si + zi;
+          o[c + half] = static_cast<float>(r[c] >> 4) * si + zi;
+        }
+      }
+    }
+    return {buf, D};
+  }
+};
+
+// Calls row(t, ptr) for each token t in [0, L) with ptr its fp32 row; the block table is read
+// once per block and each block dequantized once.
+template <typename Src, typename RowFn>
+inline void for_each_row(const Src& src, const int64_t* table, int64_t L, int64_t BS, int64_t kh, float* buf,
+                         RowFn&& row) {
   for (int64_t t0 = 0; t0 < L; t0 += BS) {
-    const scalar_t* block = cache + (table[t0 / BS] * BS * KVH + kh) * D;
     const int64_t n = std::min(BS, L - t0);
-    for (int64_t i = 0; i < n; ++i) row(t0 + i, block + i * KVH * D);
+    const Rows r = src.rows(table[t0 / BS], kh, n, buf);
+    for (int64_t i = 0; i < n; ++i) row(t0 + i, r.ptr + i * r.stride);
   }
 }
 
-// The G query heads of sequence b that share KV head kh, as fp32 times the softmax scale:
-// qf [G, D].
+// The G query heads of sequence b that share KV head kh, as fp32 times the softmax scale: qf [G, D].
 template <typename scalar_t>
 inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, int64_t G, int64_t D,
                            float scale, float* qf) {
@@ -51,27 +245,26 @@ inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, 
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
 }
 
-template <typename scalar_t>
-void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* tables,
-                 const int64_t* ctx_lens, scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                 int64_t BS, int64_t max_blocks, float scale) {
+template <typename scalar_t, typename KSrc, typename VSrc>
+void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
+                     scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
+                     float scale) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), kf(D), scores, row_max(G), row_sum(G);
+    std::vector<float> qf(G * D), acc(G * D), buf(BS * D), scores, row_max(G), row_sum(G);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, L = ctx_lens[b];
+      const int64_t b = idx / KVH, kh = idx % KVH, L = lens[b];
       const int64_t* table = tables + b * max_blocks;
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       scores.assign(G * L, 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      for_each_row(kc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* k) {
-        for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(k[d]);
+      for_each_row(ks, table, L, BS, kh, buf.data(), [&](int64_t t, const float* k) {
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
-          float s = 0.f;
-          for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
-          scores[g * L + t] = s;
-          row_max[g] = std::max(row_max[g], s);
+          float sum = 0.f;
+          for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
+          scores[g * L + t] = sum;
+          row_max[g] = std::max(row_max[g], sum);
         }
       });
       for (int64_t g = 0; g < G; ++g) {
@@ -84,12 +277,11 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
         row_sum[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* v) {
-        for (int64_t d = 0; d < D; ++d) kf[d] = static_cast<float>(v[d]);
+      for_each_row(vs, table, L, BS, kh, buf.data(), [&](int64_t t, const float* v) {
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * kf[d];
+          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
         }
       });
       for (int64_t g = 0; g < G; ++g)
@@ -99,20 +291,10 @@ void decode_impl(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, cons
   });
 }
 
-
 #if defined(__AVX512F__)
-// The same computation with AVX-512 when head_dim is 16, 32, 64 or 128: a K/V row is D/16
-// vectors (bf16 widened to fp32 by a shift), each query head's dot product is D/16 FMAs and one
-// horizontal sum, and the exponentials are evaluated 16 at a time. Same two passes, same fp32
-// arithmetic up to summation order.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+// The same computation with AVX-512 when head_dim is 16, 32, 64 or 128: a row is D/16 vectors,
+// each query head's dot product is D/16 FMAs and one horizontal sum, and the exponentials are
+// evaluated 16 at a time. Same two passes, same fp32 arithmetic up to summation order.
 
 // e^x for x <= 0: 2^n * 2^f with |f| <= 1/2, 2^f from a degree-6 Taylor polynomial in f*ln2
 // (relative error about 1e-7), 2^n applied exactly by scalef.
@@ -131,31 +313,67 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-template <typename scalar_t, int NV>  // NV = D / 16
-void decode_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* tables,
-                   const int64_t* ctx_lens, scalar_t* out, int64_t B, int64_t H, int64_t KVH,
-                   int64_t BS, int64_t max_blocks, float scale) {
+// r[i] = sum of the 16 lanes of v[i], for 16 vectors at once: pairs, then quads, are added within
+// 128-bit lanes and the four lanes transposed by shuffles (45 instructions for 16 sums, against
+// about 8 each for separate reductions).
+inline __m512 hsum16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i], 128-bit lane L: the lane-L sums of v[4i .. 4i+3]
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+// Scores of 16 consecutive tokens (rows of one block) against query head qg: one vector.
+template <int NV>
+inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
+  __m512 q[NV], acc[16];
+  for (int j = 0; j < NV; ++j) q[j] = _mm512_loadu_ps(qg + 16 * j);
+  for (int64_t i = 0; i < 16; ++i) {
+    if (i >= n) {
+      acc[i] = _mm512_setzero_ps();
+      continue;
+    }
+    const float* k = r.ptr + i * r.stride;
+    __m512 s = _mm512_mul_ps(q[0], _mm512_loadu_ps(k));
+    for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(q[j], _mm512_loadu_ps(k + 16 * j), s);
+    acc[i] = s;
+  }
+  return hsum16(acc);
+}
+
+template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
+void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
+                   scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale) {
   constexpr int64_t D = NV * 16;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), scores;
+    std::vector<float> qf(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, L = ctx_lens[b];
+      const int64_t b = idx / KVH, kh = idx % KVH, L = lens[b];
       const int64_t* table = tables + b * max_blocks;
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       const int64_t Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
-      // pass 1: scores
-      for_each_row(kc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* k) {
-        __m512 kv[NV];
-        for (int j = 0; j < NV; ++j) kv[j] = load16(k + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          __m512 s = _mm512_mul_ps(load16(qg), kv[0]);
-          for (int j = 1; j < NV; ++j) s = _mm512_fmadd_ps(load16(qg + 16 * j), kv[j], s);
-          scores[g * Lp + t] = _mm512_reduce_add_ps(s);
+      // pass 1: scores, 16 tokens of a block at a time
+      for (int64_t t0 = 0; t0 < L; t0 += BS) {
+        const int64_t n = std::min(BS, L - t0);
+        const Rows r = ks.rows(table[t0 / BS], kh, n, buf.data());
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+          const Rows part{r.ptr + i0 * r.stride, r.stride};
+          const int64_t m = std::min<int64_t>(16, n - i0);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 s16 = scores16<NV>(qf.data() + g * D, part, m);
+            _mm512_mask_storeu_ps(scores.data() + g * Lp + t0 + i0, static_cast<__mmask16>((1u << m) - 1), s16);
+          }
         }
-      });
+      }
       // softmax numerators, 16 at a time; the padding gets -inf and so weight 0
       for (int64_t g = 0; g < G; ++g) {
         float* sg = scores.data() + g * Lp;
@@ -176,9 +394,9 @@ void decode_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
       __m512 o[8][NV];  // G <= 8 on this path
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
-      for_each_row(vc, table, L, BS, KVH, kh, D, [&](int64_t t, const scalar_t* v) {
+      for_each_row(vs, table, L, BS, kh, buf.data(), [&](int64_t t, const float* v) {
         __m512 vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = load16(v + 16 * j);
+        for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
         for (int64_t g = 0; g < G; ++g) {
           const __m512 p = _mm512_set1_ps(scores[g * Lp + t]);
           for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
@@ -192,49 +410,116 @@ void decode_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, co
     }
   });
 }
+#endif
 
-// True when the fast path ran (head_dim 16/32/64/128, at most 8 query heads per K/V head).
-template <typename scalar_t>
-bool try_avx512(const scalar_t* q, const scalar_t* kc, const scalar_t* vc, const int64_t* tables,
-                const int64_t* lens, scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D,
-                int64_t BS, int64_t max_blocks, float scale) {
-  if constexpr (std::is_same_v<scalar_t, double>) {
-    return false;
-  } else {
-    if (H / KVH > 8) return false;
-    switch (D) {
-      case 16: decode_avx512<scalar_t, 1>(q, kc, vc, tables, lens, out, B, H, KVH, BS, max_blocks, scale); return true;
-      case 32: decode_avx512<scalar_t, 2>(q, kc, vc, tables, lens, out, B, H, KVH, BS, max_blocks, scale); return true;
-      case 64: decode_avx512<scalar_t, 4>(q, kc, vc, tables, lens, out, B, H, KVH, BS, max_blocks, scale); return true;
-      case 128: decode_avx512<scalar_t, 8>(q, kc, vc, tables, lens, out, B, H, KVH, BS, max_blocks, scale); return true;
-      default: return false;
+// The fast path where it applies, else the portable one.
+template <typename scalar_t, typename KSrc, typename VSrc>
+void decode(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
+            scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
+            float scale) {
+#if defined(__AVX512F__)
+  if constexpr (!std::is_same_v<scalar_t, double>) {
+    if (H / KVH <= 8) {
+      switch (D) {
+        case 16: return decode_avx512<scalar_t, 1>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
+        case 32: return decode_avx512<scalar_t, 2>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
+        case 64: return decode_avx512<scalar_t, 4>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
+        case 128: return decode_avx512<scalar_t, 8>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
+        default: break;
+      }
     }
   }
+#endif
+  decode_portable(q, ks, vs, tables, lens, out, B, H, KVH, D, BS, max_blocks, scale);
 }
-#endif
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                           torch::Tensor block_tables, torch::Tensor ctx_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode runs on CPU tensors");
-  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous inputs");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kLong && ctx_lens.scalar_type() == torch::kLong, "int64 tables");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(), "one dtype");
-  auto tables = block_tables.contiguous();
-  auto lens = ctx_lens.contiguous();
-  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t BS = k_cache.size(1), KVH = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KVH == 0, "shape mismatch");
-  auto out = torch::empty_like(q);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, q.scalar_type(), "paged_decode", [&] {
-#if defined(__AVX512F__)
-    if (try_avx512<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                             tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                             B, H, KVH, D, BS, tables.size(1), static_cast<float>(scale)))
-      return;
-#endif
-    decode_impl<scalar_t>(q.data_ptr<scalar_t>(), k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                          tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<scalar_t>(),
-                          B, H, KVH, D, BS, tables.size(1), static_cast<float>(scale));
+// ---- entry points: one per format; they check shapes and dispatch on the query dtype ----
+struct Call {
+  torch::Tensor q, tables, lens, out;
+  int64_t B, H, D, BS, KVH;
+};
+
+Call prepare(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
+             const torch::Tensor& lens, int64_t head_dim) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_decode runs on CPU tensors");
+  TORCH_CHECK(q.dim() == 3 && cache.dim() == 4, "q [B, H, D] and a cache [num_blocks, BS, KVH, ...]");
+  TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 tables and lengths");
+  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), torch::empty_like(q), q.size(0), q.size(1),
+         q.size(2), cache.size(1), cache.size(2)};
+  TORCH_CHECK(c.D == head_dim && c.H % c.KVH == 0 && c.D <= 256, "shape mismatch");
+  return c;
+}
+
+template <typename KSrc, typename VSrc>
+torch::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, c.q.scalar_type(), "paged_decode", [&] {
+    decode(c.q.data_ptr<scalar_t>(), ks, vs, c.tables.data_ptr<int64_t>(), c.lens.data_ptr<int64_t>(),
+           c.out.data_ptr<scalar_t>(), c.B, c.H, c.KVH, c.D, c.BS, c.tables.size(1), static_cast<float>(scale));
+  });
+  return c.out;
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
+                           torch::Tensor lens, double scale) {
+  Call c = prepare(q, k, tables, lens, k.size(3));
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && v.is_contiguous(), "one dtype for K and V");
+  const Shape s{c.BS, c.KVH, c.D};
+  torch::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "dense", [&] {
+    out = run(c, Dense<scalar_t>{k.data_ptr<scalar_t>(), s}, Dense<scalar_t>{v.data_ptr<scalar_t>(), s}, scale);
+  });
+  return out;
+}
+
+torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v,
+                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, double scale) {
+  Call c = prepare(q, k, tables, lens, k.size(3));
+  TORCH_CHECK(k.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 && k_scale.scalar_type() == torch::kFloat
+              && v_scale.scalar_type() == torch::kFloat && v.is_contiguous() && k_scale.is_contiguous()
+              && v_scale.is_contiguous(), "int8 values and fp32 scales");
+  const Shape s{c.BS, c.KVH, c.D};
+  return run(c, Int8{k.data_ptr<int8_t>(), k_scale.data_ptr<float>(), s},
+             Int8{v.data_ptr<int8_t>(), v_scale.data_ptr<float>(), s}, scale);
+}
+
+torch::Tensor paged_decode_fp8(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
+                               torch::Tensor k_scales, torch::Tensor v_scales, bool e4m3, torch::Tensor tables,
+                               torch::Tensor lens, double scale) {
+  Call c = prepare(q, k, tables, lens, k.size(3));
+  TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "fp8 codes");
+  TORCH_CHECK(table.numel() == 256 && table.scalar_type() == torch::kFloat && k_scales.numel() == c.KVH
+              && v_scales.numel() == c.KVH && k_scales.scalar_type() == torch::kFloat
+              && v_scales.scalar_type() == torch::kFloat, "a 256-entry fp32 table and one fp32 scale per KV head");
+  auto tb = table.contiguous(), ksc = k_scales.contiguous(), vsc = v_scales.contiguous();
+  const Shape s{c.BS, c.KVH, c.D};
+  return run(c, Fp8{k.data_ptr<uint8_t>(), tb.data_ptr<float>(), ksc.data_ptr<float>(), e4m3, s},
+             Fp8{v.data_ptr<uint8_t>(), tb.data_ptr<float>(), vsc.data_ptr<float>(), e4m3, s}, scale);
+}
+
+torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor k_zero,
+                                torch::Tensor v, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor slot_of,
+                                torch::Tensor res_k, torch::Tensor res_v, torch::Tensor tables, torch::Tensor lens,
+                                double scale) {
+  Call c = prepare(q, k, tables, lens, 2 * k.size(3));
+  for (const auto& t : {k_scale, k_zero, v_scale, v_zero})
+    TORCH_CHECK(t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 int4 scales and zeros");
+  TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "packed int4");
+  TORCH_CHECK(slot_of.scalar_type() == torch::kLong && slot_of.numel() == k.size(0), "slot_of [num_blocks] int64");
+  TORCH_CHECK(res_k.scalar_type() == res_v.scalar_type() && res_k.is_contiguous() && res_v.is_contiguous()
+              && res_k.size(1) == c.BS && res_k.size(3) == c.D, "residual slots [slots, BS, KVH, D]");
+  auto so = slot_of.contiguous();
+  const Shape s{c.BS, c.KVH, c.D};
+  torch::Tensor out;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, res_k.scalar_type(), "int4", [&] {
+    using K = Int4<scalar_t, true>;
+    using V = Int4<scalar_t, false>;
+    out = run(c,
+              K{k.data_ptr<uint8_t>(), k_scale.data_ptr<c10::Half>(), k_zero.data_ptr<c10::Half>(), so.data_ptr<int64_t>(),
+                Dense<scalar_t>{res_k.data_ptr<scalar_t>(), s}, s},
+              V{v.data_ptr<uint8_t>(), v_scale.data_ptr<c10::Half>(), v_zero.data_ptr<c10::Half>(), so.data_ptr<int64_t>(),
+                Dense<scalar_t>{res_v.data_ptr<scalar_t>(), s}, s},
+              scale);
   });
   return out;
 }
@@ -251,5 +536,8 @@ std::string isa() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction-set level this build was compiled for");
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV cache (CPU)");
+  m.def("paged_decode", &paged_decode, "decode attention over a dense paged KV cache (CPU)");
+  m.def("paged_decode_int8", &paged_decode_int8, "decode attention over an int8 paged KV cache (CPU)");
+  m.def("paged_decode_fp8", &paged_decode_fp8, "decode attention over an fp8 paged KV cache (CPU)");
+  m.def("paged_decode_int4", &paged_decode_int4, "decode attention over an int4 (KIVI) paged KV cache (CPU)");
 }
