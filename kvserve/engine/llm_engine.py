@@ -48,6 +48,9 @@ class EngineStats:
     scheduler: SchedulerStats
     block_size: int
     block_bytes: int
+    kv_cache_dtype: str
+    kv_bytes_per_token: float  # kvserve.kv.formats: values and scales, the one formula sizing uses
+    kv_cache_bytes: int  # everything the cache holds: blocks, the null block, residual slots, scales
     num_steps: int
     num_batched_tokens_last_step: int
     num_generated_tokens: int
@@ -249,7 +252,10 @@ class LLMEngine:
 
     # ---- stats ----
     def stats(self) -> EngineStats:
-        return EngineStats(self.scheduler.stats(), self.plan.block_size, self.plan.block_bytes,
+        plan = self.plan
+        return EngineStats(self.scheduler.stats(), plan.block_size, plan.block_bytes, plan.kv_format.name,
+                           plan.kv_format.bytes_per_token(self.model_config, plan.block_size),
+                           plan.total_bytes if self.storage is not None else 0,
                            self.num_steps, self._last_step_tokens, self.num_generated_tokens,
                            self.num_prompt_tokens_computed)
 

@@ -19,7 +19,13 @@ class _EngineCollector(Collector):
         self.stats = stats
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        s = self.stats().scheduler
+        e = self.stats()
+        s = e.scheduler
+        yield _gauge("kvserve_kv_cache_bytes_per_token", f"KV bytes per token ({e.kv_cache_dtype}: values and "
+                     "scales, the formula cache sizing uses)", e.kv_bytes_per_token)
+        yield _gauge("kvserve_kv_cache_bytes", "Bytes the KV cache holds (blocks, null block, residual slots, scales)",
+                     e.kv_cache_bytes)
+        yield _gauge("kvserve_kv_cache_block_bytes", "Bytes of one KV block", e.block_bytes)
         yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.num_running)
         yield _gauge("kvserve_num_requests_waiting", "Requests waiting (preempted ones included)", s.num_waiting)
         yield _gauge("kvserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)
