@@ -34,16 +34,24 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="seed of this request's sampler (default: derived from --seed)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--beam-width", type=int, default=None, help="beam search with this many beams (greedy)")
+    g.add_argument("--length-penalty", type=float, default=1.0, help="beam search: score / length ** this")
+    g.add_argument("--early-stopping", choices=["true", "false", "never"], default="false",
+                   help="beam search: stop once beam-width hypotheses are found (true), by Hugging Face's "
+                        "heuristic (false) or only when no beam can improve (never)")
 
 
 def sampling_params(a: argparse.Namespace):  # type: ignore[no-untyped-def]
     from kvserve.core.sampling_params import SamplingParams
+    beams = a.beam_width is not None
     return SamplingParams(
         max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
         min_p=a.min_p, repetition_penalty=a.repetition_penalty, presence_penalty=a.presence_penalty,
         frequency_penalty=a.frequency_penalty,
         seed=a.sampling_seed if a.sampling_seed is not None else a.seed,
-        stop=tuple(a.stop), ignore_eos=a.ignore_eos)
+        stop=tuple(a.stop), ignore_eos=a.ignore_eos, use_beam_search=beams,
+        beam_width=a.beam_width, n=a.beam_width if beams else 1, length_penalty=a.length_penalty,
+        early_stopping={"true": True, "false": False}.get(a.early_stopping, a.early_stopping))
 
 
 def engine_from(a: argparse.Namespace):  # type: ignore[no-untyped-def]
@@ -92,6 +100,9 @@ def generate_report(out: Any, elapsed: float, engine: Any) -> dict[str, Any]:
         "kv_cache_bytes": m.kv_cache_bytes, "kv_blocks": m.num_kv_blocks,
         "cached_tokens": m.num_cached_tokens, "block_size": engine.plan.block_size,
         "kv_bytes_per_token": engine.plan.kv_format.bytes_per_token(engine.model_config, engine.plan.block_size),
+        **({"beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score,
+                       "cumulative_logprob": b.cumulative_logprob, "finish_reason": b.finish_reason}
+                      for b in out.outputs]} if c.score is not None else {}),
     }
 
 

@@ -36,6 +36,11 @@ class SamplingParams:
     logprobs: Optional[int] = None  # number of top logprobs to return per token
     prompt_logprobs: Optional[int] = None  # likewise for every prompt token (vLLM's name)
     include_stop_str_in_output: bool = False
+    # beam search (vLLM's and Hugging Face's names): beam_width hypotheses kept, n of them returned
+    use_beam_search: bool = False
+    beam_width: Optional[int] = None  # default: n
+    length_penalty: float = 1.0  # a finished hypothesis scores sum of logprobs / length ** length_penalty
+    early_stopping: Union[bool, str] = False  # True, False or "never", as Hugging Face generate()
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,28 @@ class SamplingParams:
                                               and not isinstance(self.prompt_logprobs, bool)
                                               and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", "must be an integer in [0, 20]"),
+        ]
+        for ok, name, rule in checks:
+            if not ok:
+                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+        if self.use_beam_search:
+            self._validate_beam_search()
+
+    def _validate_beam_search(self) -> None:
+        if self.beam_width is None:
+            object.__setattr__(self, "beam_width", self.n)
+        width = self.beam_width
+        checks = [
+            (isinstance(width, int) and not isinstance(width, bool) and 1 <= width <= 64, "beam_width",
+             "must be an integer in [1, 64]"),
+            (isinstance(width, int) and self.n <= width, "n", f"must be at most beam_width ({width})"),
+            (self.temperature == 0, "temperature", "must be 0 with beam search (beams are chosen, not sampled)"),
+            (_is_num(self.length_penalty), "length_penalty", "must be a number"),
+            (self.early_stopping in (True, False, "never"), "early_stopping", 'must be true, false or "never"'),
+            (not self.has_penalties and self.top_k in (0, -1) and self.top_p == 1 and self.min_p == 0,
+             "use_beam_search", "takes no penalties or top-k/top-p/min-p filters"),
+            (not self.stop and self.min_tokens == 0 and self.logprobs is None, "use_beam_search",
+             "takes no stop strings, min_tokens or logprobs"),
         ]
         for ok, name, rule in checks:
             if not ok:

@@ -135,6 +135,11 @@ class Scheduler:
         req.spec_token_ids = []
         self.kv.trim(req, num_computed_tokens)
 
+    def extend(self, req: Request, tokens: list[int], logprobs: Optional[list[dict[int, float]]] = None) -> None:
+        """Append tokens chosen outside the step (a beam's next token), finishing the request if
+        one of them stops it."""
+        self._append(req, tokens, logprobs, time.monotonic())
+
     # ---- the step ----
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
@@ -231,7 +236,8 @@ class Scheduler:
     def _num_spec_tokens(self, req: Request, budget: int) -> int:
         """How many of its proposals a decoding request verifies this step: within the budget,
         the context, and the output it may still produce (one more token always follows)."""
-        if not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1 or self._is_fork_point(req):
+        if (not req.spec_token_ids or req.num_tokens - req.num_computed_tokens != 1 or self._is_fork_point(req)
+                or req.sampling_params.use_beam_search):
             return 0
         room = min(budget, self.max_model_len - req.num_tokens,
                    req.sampling_params.max_tokens - req.num_output_tokens - 1)
@@ -318,23 +324,28 @@ class Scheduler:
         start = req.num_computed_tokens
         done = start + num_new == req.num_tokens
         params = req.sampling_params
-        num_samples = 0
+        num_samples = num_logit_rows = 0
         if done and params.max_tokens > 0:
-            num_samples = params.n if self._is_fork_point(req) else 1
+            if params.use_beam_search:  # beams are chosen over the whole group from their logits
+                num_logit_rows = 1
+            else:
+                num_samples = params.n if self._is_fork_point(req) else 1
         spec, req.spec_token_ids = req.spec_token_ids[:num_spec], []
-        scores_prompt = params.prompt_logprobs is not None and start < req.num_prompt_tokens
+        if params.prompt_logprobs is not None and start < req.num_prompt_tokens:
+            num_logit_rows = num_new
         return ScheduledSequence(
             req.request_id, req.all_token_ids[start:start + num_new], start,
             self.kv.take_table_updates(req.request_id), params, num_samples,
             req.prompt_token_ids, req.output_token_ids,
             None if params.seed is None else params.seed + req.sample_index, spec,
-            num_logit_rows=num_new if scores_prompt else 0)
+            num_logit_rows=num_logit_rows)
 
     @staticmethod
     def _is_fork_point(req: Request) -> bool:
         """The step that samples the first output of an n > 1 request draws all n at once."""
         assert req.group is not None
-        return req.sampling_params.n > 1 and len(req.group.members) == 1 and req.num_output_tokens == 0
+        return (req.sampling_params.n > 1 and not req.sampling_params.use_beam_search
+                and len(req.group.members) == 1 and req.num_output_tokens == 0)
 
     def _append(self, req: Request, tokens: list[int], logprobs: Optional[list[dict[int, float]]],
                 now: float) -> list[Request]:

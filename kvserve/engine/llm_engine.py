@@ -20,6 +20,7 @@ from kvserve.core.kv_cache_manager import KVCacheManager, single_group
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
+from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
@@ -91,6 +92,7 @@ class LLMEngine:
                                  namespace=(self.model_id, config.dtype, config.kv_cache_dtype, None),
                                  groups=groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.beams = BeamSearch(self.scheduler)
         layout = CacheLayout(layer_group, len(groups), self.plan.block_size, self.plan.num_blocks,
                              self.max_model_len)
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
@@ -164,6 +166,8 @@ class LLMEngine:
                       arrival_time if arrival_time is not None else time.monotonic(), cache_salt)
         self.scheduler.add_request(req)
         self.outputs.add(req, prompt if isinstance(prompt, str) else None)
+        if params.use_beam_search:
+            self.beams.add(req, params.max_tokens)
         return rid
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -183,6 +187,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now (every member of its group: n > 1 samples)."""
         aborted = self.scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        self.beams.forget(request_id)
         for req in aborted:
             self.outputs.finish_sample(req, "abort")
         self.outputs.states.pop(request_id, None)
@@ -197,6 +202,9 @@ class LLMEngine:
         result = self.runner.execute(sched)
         self._prompt_rows(sched.scheduled, result)
         touched = self.scheduler.update(sched, result)
+        for state in self.beams.step(result.logits):
+            self.outputs.finish_beams(state.group.group_id, self.beams.outputs(state))
+            touched.append(state.group.first)
         self.num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
         self.num_generated_tokens += sum(len(t) for t in result.sampled_token_ids.values())
@@ -221,7 +229,7 @@ class LLMEngine:
         p + 1 (logprob, and the k most likely), and goes to `prompt_logits_hook` if one is set."""
         for s in seqs:
             rows = result.logits.get(s.request_id)
-            if rows is None:
+            if rows is None or s.sampling_params.prompt_logprobs is None:
                 continue
             if self.prompt_logits_hook is not None:
                 self.prompt_logits_hook(s.request_id, s.start_position, rows)

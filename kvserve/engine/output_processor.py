@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvserve.core.request import Request, RequestGroup
@@ -64,6 +64,8 @@ class SampleState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: Optional[list[dict[int, float]]] = None
     detokenizer: Optional[IncrementalDetokenizer] = None
+    cumulative_logprob: Optional[float] = None
+    score: Optional[float] = None
 
 
 @dataclass
@@ -77,10 +79,14 @@ class RequestState:
     samples: dict[int, SampleState] = field(default_factory=dict)
     error: Optional[str] = None
     prompt_logprobs: Optional[list[Optional[dict[int, float]]]] = None
+    beams_done: bool = False
 
     @property
     def finished(self) -> bool:
-        """Every member of the request's group (n samples, or more after forks) has ended."""
+        """Every member of the request's group (n samples, or more after forks) has ended; for
+        beam search, the search has ended (its members come and go as beams)."""
+        if self.params.use_beam_search:
+            return self.beams_done
         return len(self.samples) == len(self.group.members) and all(
             s.finish_reason is not None for s in self.samples.values())
 
@@ -105,10 +111,26 @@ class OutputProcessor:
         done = len(state.prompt_logprobs)
         state.prompt_logprobs += logprobs[max(done - 1 - start, 0):]
 
+    def finish_beams(self, group_id: str, hypotheses: list[Any]) -> None:
+        """A beam search ended: its best hypotheses (kvserve.engine.beam_search) are the samples."""
+        state = self.states.get(group_id)
+        if state is None:
+            return
+        for i, h in enumerate(hypotheses):
+            text = self.tokenizer.decode(h.token_ids) if self.tokenizer is not None else ""
+            state.samples[i] = SampleState(i, text, token_ids=list(h.token_ids),
+                                           finish_reason="stop" if h.ends_with_eos else "length",
+                                           cumulative_logprob=h.cumulative_logprob, score=h.score)
+        state.beams_done = True
+        first = state.group.first
+        m = state.metrics
+        m.first_scheduled_time, m.first_token_time = first.first_scheduled_time, first.first_token_time
+        m.num_cached_tokens, m.finish_time = first.num_cached_tokens or 0, time.monotonic()
+
     def process(self, req: Request) -> Optional[str]:
         """Fold a request's new tokens into its sample; returns the stop string it hit, if any."""
         state = self.states.get(req.group_id)
-        if state is None:
+        if state is None or state.params.use_beam_search:
             return None
         sample = state.samples.setdefault(req.sample_index, SampleState(req.sample_index))
         sample.token_ids = req.output_token_ids
@@ -153,7 +175,7 @@ class OutputProcessor:
         delta_ids = s.token_ids[s.num_sent_tokens:]
         s.num_sent_chars, s.num_sent_tokens = visible, len(s.token_ids)
         return CompletionOutput(s.index, s.text, list(s.token_ids), s.finish_reason, s.stop_reason,
-                                s.logprobs, delta, delta_ids)
+                                s.logprobs, delta, delta_ids, s.cumulative_logprob, s.score)
 
     def _find_stop(self, s: SampleState, params: SamplingParams) -> Optional[str]:
         if not params.stop or s.finish_reason is not None:

@@ -16,6 +16,8 @@ class CompletionOutput:
     logprobs: Optional[list[dict[int, float]]] = None
     delta: str = ""  # text added since the previous output of this request
     delta_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: Optional[float] = None  # beam search: the sum of the tokens' logprobs
+    score: Optional[float] = None  # beam search: cumulative_logprob / length ** length_penalty
 
     @property
     def finished(self) -> bool:

@@ -37,6 +37,11 @@ class _Common(BaseModel):
     cache_salt: Optional[str] = Field(None, max_length=256)
     priority: int = Field(0, ge=-1000, le=1000)
     ignore_eos: bool = False
+    # vLLM's extra parameters for beam search: n beams returned out of best_of (default n)
+    use_beam_search: bool = False
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    early_stopping: Union[bool, Literal["never"]] = False
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -50,7 +55,9 @@ class _Common(BaseModel):
             min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             max_tokens=self.max_tokens or default_max_tokens, stop=self.stops(),
-            ignore_eos=self.ignore_eos, logprobs=logprobs)
+            ignore_eos=self.ignore_eos, logprobs=logprobs, use_beam_search=self.use_beam_search,
+            beam_width=(self.best_of or self.n) if self.use_beam_search else None,
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Common):

@@ -115,3 +115,23 @@ def _metric(server, name):
         if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def test_beam_search_through_the_api(stories_server, offline):
+    """vLLM's extra parameters: n beams returned out of best_of, streamed or not."""
+    ref = offline.generate(["Lily and Tom"], SamplingParams(use_beam_search=True, beam_width=3, n=2, temperature=0,
+                                                              max_tokens=12, length_penalty=0.8))[0]
+    cl = client(stories_server)
+    extra = {"use_beam_search": True, "best_of": 3, "length_penalty": 0.8}
+    c = cl.completions.create(model="stories260K", prompt="Lily and Tom", max_tokens=12, n=2, temperature=0,
+                              extra_body=extra)
+    assert [ch.text for ch in c.choices] == [o.text for o in ref.outputs]
+    streamed = ["", ""]
+    for chunk in cl.completions.create(model="stories260K", prompt="Lily and Tom", max_tokens=12, n=2,
+                                       temperature=0, extra_body=extra, stream=True):
+        for ch in chunk.choices:
+            streamed[ch.index] += ch.text
+    assert streamed == [o.text for o in ref.outputs]
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        cl.completions.create(model="stories260K", prompt="x", max_tokens=4, temperature=0.7,
+                              extra_body={"use_beam_search": True})
