@@ -100,6 +100,8 @@ def generate_report(out: Any, elapsed: float, engine: Any) -> dict[str, Any]:
         "kv_cache_bytes": m.kv_cache_bytes, "kv_blocks": m.num_kv_blocks,
         "cached_tokens": m.num_cached_tokens, "block_size": engine.plan.block_size,
         "kv_bytes_per_token": engine.plan.kv_format.bytes_per_token(engine.model_config, engine.plan.block_size),
+        "spec_proposed_tokens": m.num_spec_proposed, "spec_accepted_tokens": m.num_spec_accepted,
+        "spec_acceptance_rate": m.spec_acceptance_rate, "mean_accepted_length": m.mean_accepted_length,
         **({"beams": [{"text": b.text, "token_ids": b.token_ids, "score": b.score,
                        "cumulative_logprob": b.cumulative_logprob, "finish_reason": b.finish_reason}
                       for b in out.outputs]} if c.score is not None else {}),

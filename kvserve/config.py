@@ -156,6 +156,38 @@ class SchedulerConfig:
             raise ValueError(f"preemption mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
 
+SPEC_METHODS = ("ngram", "draft")
+SPEC_DISABLE_BATCH_SIZE = 8  # measured (benchmarks/spec_decode.py): above this, guessing costs more than it saves
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses num_speculative_tokens tokens; the model
+    verifies them in one pass. Off while more than disable_batch_size requests run."""
+
+    method: Optional[str] = None  # None (off), "ngram" or "draft"
+    num_speculative_tokens: int = 4
+    speculative_model: Optional[str] = None  # the draft model (method "draft")
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    disable_batch_size: int = SPEC_DISABLE_BATCH_SIZE
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.method == "draft" and not self.speculative_model:
+            raise ValueError("speculative method 'draft' needs a speculative_model (--speculative-model)")
+        if self.method != "draft" and self.speculative_model:
+            raise ValueError("speculative_model is for the 'draft' method")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(f"prompt lookup needs 1 <= min <= max, got {self.prompt_lookup_min} and "
+                             f"{self.prompt_lookup_max}")
+        if self.disable_batch_size < 0:
+            raise ValueError(f"speculative disable batch size must be >= 0, got {self.disable_batch_size}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "SmolLM2-135M-Instruct"
@@ -167,6 +199,7 @@ class EngineConfig:
     use_cache: bool = True  # False: recompute the whole sequence every step (the reference)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     log_stats_interval_s: Optional[float] = None
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
     linear_backend: str = "auto"  # auto: few-row bf16 products on CPU through the compiled kernel

@@ -26,6 +26,7 @@ class ScheduledSequence:
     output_token_ids: list[int] = field(default_factory=list)
     seed: Optional[int] = None
     spec_token_ids: list[int] = field(default_factory=list)  # proposals fed after the inputs
+    spec_probs: Any = None  # the proposer's distributions [k, vocab] they were drawn from (None: point guesses)
     num_logit_rows: int = 0  # the last rows whose logits the runner returns (ModelRunnerOutput.logits)
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from kvserve.core.block_hash import BlockHash
 from kvserve.core.sampling_params import SamplingParams
@@ -62,6 +62,10 @@ class Request:
     finish_time: Optional[float] = None
     block_hashes: list[BlockHash] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals the next step verifies
+    spec_probs: Any = None  # their proposer's distributions (a tensor; None: point guesses)
+    num_spec_proposed: int = 0  # proposals verified so far
+    num_spec_accepted: int = 0  # of which accepted
+    num_spec_steps: int = 0  # steps that verified proposals
     num_truncations: int = 0  # output taken back this many times (readers of the output re-read)
     all_token_ids: list[int] = field(init=False, repr=False)
 

@@ -132,7 +132,7 @@ class Scheduler:
             raise ValueError(f"cannot roll {req.request_id!r} back to {num_computed_tokens} computed tokens "
                              f"(it has {req.num_computed_tokens} of {req.num_tokens})")
         req.num_computed_tokens = num_computed_tokens
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_probs = [], None
         self.kv.trim(req, num_computed_tokens)
 
     def extend(self, req: Request, tokens: list[int], logprobs: Optional[list[dict[int, float]]] = None) -> None:
@@ -185,6 +185,9 @@ class Scheduler:
             if seq.spec_token_ids:  # the accepted proposals' K/V stays; the rest is taken back
                 req.num_computed_tokens += len(tokens) - 1
                 self.kv.trim(req, req.num_computed_tokens)
+                req.num_spec_steps += 1
+                req.num_spec_proposed += len(seq.spec_token_ids)
+                req.num_spec_accepted += len(tokens) - 1
             forked = result.forked_token_ids.get(seq.request_id, [])
             children = self.fork(req, len(forked)) if forked else []
             touched += self._append(req, tokens, result.logprobs.get(seq.request_id), now)
@@ -307,7 +310,7 @@ class Scheduler:
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._step_preemptions += 1
-        victim.spec_token_ids = []
+        victim.spec_token_ids, victim.spec_probs = [], None
         if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
         else:  # recompute: blocks go back with their hashes, so re-prefill can hit them
@@ -331,13 +334,15 @@ class Scheduler:
             else:
                 num_samples = params.n if self._is_fork_point(req) else 1
         spec, req.spec_token_ids = req.spec_token_ids[:num_spec], []
+        spec_probs = None if req.spec_probs is None or not num_spec else req.spec_probs[:num_spec]
+        req.spec_probs = None
         if params.prompt_logprobs is not None and start < req.num_prompt_tokens:
             num_logit_rows = num_new
         return ScheduledSequence(
             req.request_id, req.all_token_ids[start:start + num_new], start,
             self.kv.take_table_updates(req.request_id), params, num_samples,
             req.prompt_token_ids, req.output_token_ids,
-            None if params.seed is None else params.seed + req.sample_index, spec,
+            None if params.seed is None else params.seed + req.sample_index, spec, spec_probs,
             num_logit_rows=num_logit_rows)
 
     @staticmethod

@@ -10,28 +10,32 @@ import argparse
 from dataclasses import fields
 from typing import Any, Type, TypeVar
 
-from kvserve.config import KERNEL_BACKENDS, CacheConfig, EngineConfig, SchedulerConfig
+from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS, CacheConfig, EngineConfig,
+                            SchedulerConfig, SpeculativeConfig)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
-                  "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes"}
+                  "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes",
+                  "speculative": "method", "speculative_disable_batch_size": "disable_batch_size"}
 T = TypeVar("T")
 
 
 def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
     """Flat keyword options (as the CLI and `LLM(...)` take them) -> the config tree; an unknown
     option is a TypeError naming it."""
-    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "engine": {}}
-    targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "engine": EngineConfig}
+    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "speculative": {}, "engine": {}}
+    targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
+               "engine": EngineConfig}
     for key, value in options.items():
         key = OPTION_ALIASES.get(key, key)
         owner = next((name for name, cls in targets.items()
                       if key in {f.name for f in fields(cls)}), None)
-        if owner is None or key in ("cache", "scheduler", "model"):
+        if owner is None or key in ("cache", "scheduler", "speculative", "model"):
             raise TypeError(f"unknown engine option {key!r}")
         parts[owner][key] = value
     return EngineConfig(model=model, cache=CacheConfig(**parts["cache"]),
-                        scheduler=SchedulerConfig(**parts["scheduler"]), **parts["engine"])
+                        scheduler=SchedulerConfig(**parts["scheduler"]),
+                        speculative=SpeculativeConfig(**parts["speculative"]), **parts["engine"])
 
 
 def make_engine(model: str = DEFAULT_MODEL, **options: Any):  # type: ignore[no-untyped-def]
@@ -68,6 +72,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--attention-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="decode attention: the compiled CPU kernel (auto, where it builds) or torch")
+    g.add_argument("--speculative", choices=SPEC_METHODS, default=None,
+                   help="speculative decoding: ngram (prompt lookup) or draft (--speculative-model)")
+    g.add_argument("--num-speculative-tokens", type=int, default=4, help="tokens guessed a step")
+    g.add_argument("--speculative-model", default=None, help="the draft model (same vocabulary)")
+    g.add_argument("--speculative-disable-batch-size", type=int, default=SPEC_DISABLE_BATCH_SIZE,
+                   help="no guessing while more requests than this run (it costs more than it saves)")
     g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
                         "has AVX512-BF16) or torch")
@@ -84,7 +94,9 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
         policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
         swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend,
-        linear_backend=a.linear_backend)
+        linear_backend=a.linear_backend, speculative=a.speculative,
+        num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
+        speculative_disable_batch_size=a.speculative_disable_batch_size)
     if a.kv_cache_memory is not None:
         if 0 < a.kv_cache_memory <= 1:
             opts["kv_cache_memory_fraction"] = a.kv_cache_memory

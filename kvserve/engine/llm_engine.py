@@ -31,6 +31,9 @@ from kvserve.models.registry import build_model, load_weights
 from kvserve.core.request import Request, RequestStatus
 from kvserve.runner import host_memory
 from kvserve.runner.model_runner import CacheLayout, ModelRunner
+from kvserve.spec.base import Proposer
+from kvserve.spec.draft import DraftProposer, check_same_vocabulary
+from kvserve.spec.ngram import NgramProposer
 from kvserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
@@ -52,6 +55,8 @@ class EngineStats:
     kv_cache_dtype: str
     kv_bytes_per_token: float  # kvserve.kv.formats: values and scales, the one formula sizing uses
     kv_cache_bytes: int  # everything the cache holds: blocks, the null block, residual slots, scales
+    num_spec_proposed: int  # speculative tokens verified since start
+    num_spec_accepted: int  # of which accepted
     num_steps: int
     num_batched_tokens_last_step: int
     num_generated_tokens: int
@@ -97,6 +102,8 @@ class LLMEngine:
                              self.max_model_len)
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
+        self.proposer = self._make_proposer(loaded)
+        self.num_spec_proposed = self.num_spec_accepted = 0
         self.outputs = OutputProcessor(self.tokenizer)
         # called with (request id, first position, logits [rows, vocab]) for prompt rows asked for
         self.prompt_logits_hook: Optional[Callable[[str, int, torch.Tensor], None]] = None
@@ -124,6 +131,36 @@ class LLMEngine:
         if self.config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
             swap = make_storage(*args, plan.num_cpu_blocks, *shape, "cpu", plan.num_residual_slots)
         return cache, swap
+
+    def _make_proposer(self, loaded: LoadedModel) -> Optional[Proposer]:
+        spec = self.config.speculative
+        if spec.method == "ngram":
+            return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "draft":
+            assert spec.speculative_model is not None
+            c = self.config
+            draft = LLMEngine.from_options(
+                spec.speculative_model, device=c.device, dtype=c.dtype, max_model_len=self.max_model_len,
+                block_size=c.cache.block_size, num_blocks=self.plan.num_blocks, max_num_seqs=c.scheduler.max_num_seqs,
+                max_num_batched_tokens=c.scheduler.max_num_batched_tokens, seed=c.seed,
+                attention_backend=c.attention_backend, linear_backend=c.linear_backend)
+            check_same_vocabulary(self, draft)
+            draft.outputs.tokenizer = None  # its copies' tokens are never read as text
+            return DraftProposer(draft)
+        return None
+
+    def _propose(self) -> None:
+        """Guesses for the next step's decodes, unless the batch is past the point where guessing
+        costs more than it saves."""
+        if self.proposer is None:
+            return
+        spec, running = self.config.speculative, self.scheduler.running
+        if len(running) > spec.disable_batch_size:
+            return
+        decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1
+                    and not r.sampling_params.use_beam_search and r.num_output_tokens > 0]
+        if decoding:
+            self.proposer.propose(decoding, spec.num_speculative_tokens)
 
     def _set_fp8_scales(self, *storages: Optional[KVStorage]) -> None:
         """fp8 scales: from the given file, or calibrated now (kvserve.kv.calibrate)."""
@@ -199,7 +236,13 @@ class LLMEngine:
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        if self.proposer is not None:
+            self.proposer.forget(sched.finished_request_ids)
         result = self.runner.execute(sched)
+        for s in sched.scheduled:
+            if s.spec_token_ids and s.request_id in result.sampled_token_ids:
+                self.num_spec_proposed += len(s.spec_token_ids)
+                self.num_spec_accepted += len(result.sampled_token_ids[s.request_id]) - 1
         self._prompt_rows(sched.scheduled, result)
         touched = self.scheduler.update(sched, result)
         for state in self.beams.step(result.logits):
@@ -222,6 +265,7 @@ class LLMEngine:
             if failed is not None and rid not in touched_ids:
                 touched_ids.append(rid)
         self._maybe_log()
+        self._propose()
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
 
     def _prompt_rows(self, seqs: Sequence[ScheduledSequence], result: ModelRunnerOutput) -> None:
@@ -264,7 +308,7 @@ class LLMEngine:
         return EngineStats(self.scheduler.stats(), plan.block_size, plan.block_bytes, plan.kv_format.name,
                            plan.kv_format.bytes_per_token(self.model_config, plan.block_size),
                            plan.total_bytes if self.storage is not None else 0,
-                           self.num_steps, self._last_step_tokens, self.num_generated_tokens,
+                           self.num_spec_proposed, self.num_spec_accepted, self.num_steps, self._last_step_tokens, self.num_generated_tokens,
                            self.num_prompt_tokens_computed)
 
     def _maybe_log(self) -> None:

@@ -201,6 +201,8 @@ class OutputProcessor:
         m.first_token_time = m.first_token_time or req.first_token_time
         m.num_cached_tokens = req.num_cached_tokens or 0
         m.num_preemptions = req.num_preemptions
+        m.num_spec_proposed, m.num_spec_accepted = req.num_spec_proposed, req.num_spec_accepted
+        m.num_spec_steps = req.num_spec_steps
         if req.is_finished:
             m.finish_time = req.finish_time or time.monotonic()
 

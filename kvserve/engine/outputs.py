@@ -34,6 +34,18 @@ class RequestMetrics:
     num_preemptions: int = 0
     num_kv_blocks: int = 0  # blocks held at the last step (the request's cache footprint)
     kv_cache_bytes: int = 0
+    num_spec_proposed: int = 0  # speculative tokens verified for it
+    num_spec_accepted: int = 0  # of which accepted
+    num_spec_steps: int = 0  # steps that verified guesses
+
+    @property
+    def spec_acceptance_rate(self) -> Optional[float]:
+        return self.num_spec_accepted / self.num_spec_proposed if self.num_spec_proposed else None
+
+    @property
+    def mean_accepted_length(self) -> Optional[float]:
+        """Guesses accepted per step that verified some (each such step also adds one token)."""
+        return self.num_spec_accepted / self.num_spec_steps if self.num_spec_steps else None
 
     @property
     def ttft(self) -> Optional[float]:

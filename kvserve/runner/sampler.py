@@ -160,11 +160,11 @@ class Sampler:
         Returns the accepted proposals and one more token (a correction, or after all k a bonus).
 
         Greedy: a proposal is accepted while it is the argmax, so the output is exactly what
-        plain greedy decoding gives. Sampling: the proposals are point guesses (q = 1 on the
-        proposed token), so proposal d is accepted with probability p(d), and on rejection the
-        token is drawn from p with d removed, renormalized: speculative sampling's
-        min(1, p/q) and normalize(max(0, p - q)) for this q, which leaves every token
-        distributed exactly as p."""
+        plain greedy decoding gives. Sampling (speculative sampling): proposal d, drawn by the
+        proposer from q, is accepted with probability min(1, p(d) / q(d)); on rejection the token
+        is drawn from normalize(max(0, p - q)); after k acceptances one more comes from p. Every
+        emitted token is then distributed exactly as p. q is the draft's distribution
+        (seq.spec_probs), or for proposals that are point guesses (n-gram lookup) 1 on d."""
         params, spec = seq.sampling_params, seq.spec_token_ids
         filtered = rows.clone()
         if params.has_penalties:
@@ -182,13 +182,17 @@ class Sampler:
 
     def _rejection_sample(self, probs: torch.Tensor, seq: ScheduledSequence) -> list[int]:
         g = self._generator(seq, probs.device)
-        spec = seq.spec_token_ids
+        spec, q = seq.spec_token_ids, seq.spec_probs
         for i, d in enumerate(spec):
-            if torch.rand((), generator=g, device=probs.device).item() < probs[i, d].item():
-                continue
+            q_d = 1.0 if q is None else float(q[i, d])
+            if q_d <= 0 or torch.rand((), generator=g, device=probs.device).item() * q_d < probs[i, d].item():
+                continue  # (q never proposes what it gives no mass; if it did, p / q is infinite)
             residual = probs[i].clone()
-            residual[d] = 0
-            if residual.sum() > 0:  # else p was (to rounding) all on d, which stays accepted
+            if q is None:
+                residual[d] = 0
+            else:
+                residual = (residual - q[i].to(residual.device)).clamp_min_(0)
+            if residual.sum() > 0:  # else p <= q nowhere exceeds: d stays accepted
                 return spec[:i] + [int(torch.multinomial(residual, 1, generator=g))]
         return spec + [int(torch.multinomial(probs[len(spec)], 1, generator=g))]
 

@@ -26,6 +26,10 @@ class _EngineCollector(Collector):
         yield _gauge("kvserve_kv_cache_bytes", "Bytes the KV cache holds (blocks, null block, residual slots, scales)",
                      e.kv_cache_bytes)
         yield _gauge("kvserve_kv_cache_block_bytes", "Bytes of one KV block", e.block_bytes)
+        yield _gauge("kvserve_spec_proposed_tokens", "Speculative tokens verified since start", e.num_spec_proposed)
+        yield _gauge("kvserve_spec_accepted_tokens", "Speculative tokens accepted since start", e.num_spec_accepted)
+        yield _gauge("kvserve_spec_acceptance_rate", "Accepted / verified speculative tokens",
+                     e.num_spec_accepted / e.num_spec_proposed if e.num_spec_proposed else 0.0)
         yield _gauge("kvserve_num_requests_running", "Requests in the running batch", s.num_running)
         yield _gauge("kvserve_num_requests_waiting", "Requests waiting (preempted ones included)", s.num_waiting)
         yield _gauge("kvserve_kv_cache_usage_ratio", "Fraction of KV blocks in use", s.kv_usage)
