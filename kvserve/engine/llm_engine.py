@@ -41,6 +41,9 @@ logger = logging.getLogger("kvserve")
 Prompt = Union[str, Sequence[int]]
 
 
+SPEC_JUDGE_AFTER, SPEC_MIN_ACCEPTANCE, SPEC_PAUSE_STEPS = 8, 0.25, 16
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue holds max_waiting requests already."""
 
@@ -104,6 +107,8 @@ class LLMEngine:
                                   config.attention_backend, config.linear_backend)
         self.proposer = self._make_proposer(loaded)
         self.num_spec_proposed = self.num_spec_accepted = 0
+        self._spec_window: dict[str, list[int]] = {}  # request -> [guessed, accepted] since last judged
+        self._spec_paused: dict[str, int] = {}  # request -> the step its guessing resumes
         self.outputs = OutputProcessor(self.tokenizer)
         # called with (request id, first position, logits [rows, vocab]) for prompt rows asked for
         self.prompt_logits_hook: Optional[Callable[[str, int, torch.Tensor], None]] = None
@@ -151,14 +156,23 @@ class LLMEngine:
 
     def _propose(self) -> None:
         """Guesses for the next step's decodes, unless the batch is past the point where guessing
-        costs more than it saves."""
+        costs more than it saves, or a request's guesses keep failing: one whose last
+        SPEC_JUDGE_AFTER guesses were accepted less than SPEC_MIN_ACCEPTANCE of the time is not
+        guessed for during the next SPEC_PAUSE_STEPS steps (free text gives n-gram lookup little
+        to find, and a verification that accepts nothing only costs)."""
         if self.proposer is None:
             return
         spec, running = self.config.speculative, self.scheduler.running
         if len(running) > spec.disable_batch_size:
             return
+        for rid, (guessed, accepted) in list(self._spec_window.items()):
+            if guessed >= SPEC_JUDGE_AFTER:
+                if accepted < SPEC_MIN_ACCEPTANCE * guessed:
+                    self._spec_paused[rid] = self.num_steps + SPEC_PAUSE_STEPS
+                del self._spec_window[rid]
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1
-                    and not r.sampling_params.use_beam_search and r.num_output_tokens > 0]
+                    and not r.sampling_params.use_beam_search and r.num_output_tokens > 0
+                    and self._spec_paused.get(r.request_id, 0) <= self.num_steps]
         if decoding:
             self.proposer.propose(decoding, spec.num_speculative_tokens)
 
@@ -238,11 +252,18 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if self.proposer is not None:
             self.proposer.forget(sched.finished_request_ids)
+            for rid in sched.finished_request_ids:
+                self._spec_window.pop(rid, None)
+                self._spec_paused.pop(rid, None)
         result = self.runner.execute(sched)
         for s in sched.scheduled:
             if s.spec_token_ids and s.request_id in result.sampled_token_ids:
+                accepted = len(result.sampled_token_ids[s.request_id]) - 1
                 self.num_spec_proposed += len(s.spec_token_ids)
-                self.num_spec_accepted += len(result.sampled_token_ids[s.request_id]) - 1
+                self.num_spec_accepted += accepted
+                window = self._spec_window.setdefault(s.request_id, [0, 0])
+                window[0] += len(s.spec_token_ids)
+                window[1] += accepted
         self._prompt_rows(sched.scheduled, result)
         touched = self.scheduler.update(sched, result)
         for state in self.beams.step(result.logits):

@@ -120,8 +120,8 @@ class ModelRunner:
     def prepare(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
         if self.storage is None:
             return self._prepare_recompute(seqs)
-        decodes = [s for s in seqs if s.num_tokens == 1 and s.start_position > 0]
-        chunks = [s for s in seqs if not (s.num_tokens == 1 and s.start_position > 0)]
+        decodes = [s for s in seqs if self._as_decode(s)]
+        chunks = [s for s in seqs if not self._as_decode(s)]
         ordered = decodes + chunks
         ids: list[int] = []
         positions: list[int] = []
@@ -136,19 +136,32 @@ class ModelRunner:
                                                 self.storage) for t in self.tables]
         return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
 
+    def _as_decode(self, s: ScheduledSequence) -> bool:
+        """A token that attends to a cached context is a decode row; so is each row of a decode
+        that verifies guesses (each row's context ends at its own position), read by the decode
+        path, except with int4, whose rows must see their block as it was after their own write."""
+        if s.start_position == 0:
+            return False
+        if s.num_tokens == 1:
+            return True
+        assert self.storage is not None
+        return bool(s.spec_token_ids) and len(s.input_token_ids) == 1 and self.storage.kind != "int4"
+
     def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
                         pos: torch.Tensor, counts: torch.Tensor) -> AttentionMetadata:
         assert self.storage is not None
         rows = table.row_index([s.request_id for s in ordered])
-        slots = table.slots(torch.repeat_interleave(rows, counts), pos)
+        token_rows = torch.repeat_interleave(rows, counts)
+        slots = table.slots(token_rows, pos)
+        num_decode_rows = int(counts[:num_decodes].sum())
         meta = AttentionMetadata(slot_mapping=slots, kv_write_plan=self.storage.plan_writes(slots),
-                                 num_decode_tokens=num_decodes)
-        if num_decodes:
-            ctx = [s.context_len for s in ordered[:num_decodes]]
-            meta.decode_max_context = max(ctx)
-            meta.decode_block_tables = table.tables(rows[:num_decodes], meta.decode_max_context)
-            meta.decode_context_lens = torch.tensor(ctx, dtype=torch.long, device=self.device)
-        q_start = num_decodes
+                                 num_decode_tokens=num_decode_rows)
+        if num_decodes:  # one query row per token: its context ends at its own position
+            ctx = pos[:num_decode_rows] + 1
+            meta.decode_max_context = int(ctx.max())
+            meta.decode_block_tables = table.tables(token_rows[:num_decode_rows], meta.decode_max_context)
+            meta.decode_context_lens = ctx.to(self.device)
+        q_start = num_decode_rows
         for i, s in enumerate(ordered[num_decodes:], start=num_decodes):
             block_table = table.tables(rows[i:i + 1], s.context_len)[0]
             meta.prefills.append(PrefillSpan(q_start, s.num_tokens, s.context_len, block_table))

@@ -166,3 +166,16 @@ def test_speculative_sampling_draws_from_the_target_distribution(stories, propos
         sampler.forget([f"s{t}"])
     assert chi_square_p_value(counts, p0 * trials) > 1e-4
     assert math.isclose(counts.sum().item(), trials)
+
+
+def test_a_request_whose_guesses_keep_failing_is_not_guessed_for_a_while(tiny_llama):
+    """A repetitive prompt gives lookup plenty to propose; a random model does not follow it."""
+    from kvserve.engine.llm_engine import SPEC_JUDGE_AFTER, SPEC_PAUSE_STEPS
+    engine = make_engine(tiny_llama, speculative="ngram", num_speculative_tokens=4)
+    plain = run(make_engine(tiny_llama), [[1, 2, 3, 4] * 6], max_tokens=60)[0].outputs[0].token_ids
+    out = run(engine, [[1, 2, 3, 4] * 6], max_tokens=60)[0]
+    assert out.outputs[0].token_ids == plain
+    m = out.metrics
+    assert m.spec_acceptance_rate < 0.25
+    # guessing resumes after each pause, so at most one judged window per pause and steps between
+    assert m.num_spec_proposed <= (60 // SPEC_PAUSE_STEPS + 1) * (SPEC_JUDGE_AFTER + 4)
