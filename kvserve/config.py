@@ -61,7 +61,10 @@ def env_cxx() -> str:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama-family decoder (Llama, Mistral, Qwen2, SmolLM, llama2.c)."""
+    """The architecture of a decoder: the Llama family (Llama, Mistral, Qwen2, SmolLM, llama2.c)
+    and Gemma 2 and 3 (architecture "gemma2", "gemma3"), which add GeGLU, scaled embeddings,
+    norms after attention and MLP (and on q and k in Gemma 3), logit soft-capping, their own query
+    scale and a local RoPE base for their sliding-window layers."""
 
     vocab_size: int
     hidden_size: int
@@ -78,10 +81,24 @@ class ModelConfig:
     attention_bias: bool = False
     architecture: str = "llama"
     name: str = "model"
+    layer_types: tuple[str, ...] = ()  # per layer "full" or "sliding"; empty: every layer full
+    sliding_window: Optional[int] = None  # tokens a "sliding" layer attends to, its own included
+    hidden_act: str = "silu"  # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    query_pre_attn_scalar: Optional[float] = None  # attention scale = this ** -0.5 (default head_dim)
+    attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap)
+    final_logit_softcapping: Optional[float] = None
+    rope_local_theta: Optional[float] = None  # RoPE base of sliding layers (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.layer_types and (len(self.layer_types) != self.num_hidden_layers
+                                 or set(self.layer_types) - {"full", "sliding"}):
+            raise ValueError(f"layer_types must name 'full' or 'sliding' for each of the "
+                             f"{self.num_hidden_layers} layers, got {self.layer_types}")
+        if "sliding" in self.layer_types and not (self.sliding_window and self.sliding_window >= 1):
+            raise ValueError(f"sliding layers need a sliding_window >= 1, got {self.sliding_window}")
         for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             if getattr(self, attr) < 1:
@@ -94,6 +111,15 @@ class ModelConfig:
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]:
+        """"full" or "sliding" for each layer."""
+        return self.layer_types or ("full",) * self.num_hidden_layers
+
+    @property
+    def attention_scale(self) -> float:
+        return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
 @dataclass(frozen=True)

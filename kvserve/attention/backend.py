@@ -46,6 +46,7 @@ class AttentionMetadata:
     decode_context_lens: Optional[torch.Tensor] = None  # [B]
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
+    sliding_window: Optional[int] = None  # this group's layers attend to their last W positions only
 
 
 class AttentionBackend(ABC):
@@ -67,5 +68,8 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                storage: Optional[KVStorage], meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads, hd]."""
+                storage: Optional[KVStorage], meta: AttentionMetadata, scale: float,
+                softcap: Optional[float] = None) -> torch.Tensor:
+        """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads, hd]. Scores are q.k * scale,
+        capped to softcap * tanh(scores / softcap) where softcap is given, over each query's
+        context (its last meta.sliding_window positions where the group has a window)."""

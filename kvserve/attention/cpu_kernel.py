@@ -41,7 +41,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         """The kernel reads each context's exact length: no padding mask to build."""
 
     def decode(self, layer: int, q: torch.Tensor, storage: KVStorage, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+        assert softcap is None, "the kernel does not soft-cap scores: such models take the torch backend"
         entry, operands = storage.decode_operands(layer)
         return getattr(self.module, entry)(q.contiguous(), *operands, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale)
+                                           meta.decode_context_lens, scale, meta.sliding_window or 0)

@@ -23,16 +23,17 @@ class ForwardContext:
 
 
 class Attention(nn.Module):
-    def __init__(self, layer_idx: int, scale: float) -> None:
+    def __init__(self, layer_idx: int, scale: float, softcap: Optional[float] = None) -> None:
         super().__init__()
-        self.layer_idx, self.scale = layer_idx, scale
+        self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap
         self.backend: Optional[AttentionBackend] = None
         self.group = 0
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [T, heads, hd], k/v [T, kv_heads, hd] (after RoPE) -> [T, heads, hd]."""
         assert self.backend is not None, "the runner installs an attention backend before a forward pass"
-        return self.backend.forward(self.layer_idx, q, k, v, ctx.storage, ctx.metadata[self.group], self.scale)
+        return self.backend.forward(self.layer_idx, q, k, v, ctx.storage, ctx.metadata[self.group], self.scale,
+                                    self.softcap)
 
 
 def install(model: nn.Module, backend: AttentionBackend, layer_group: Sequence[int]) -> None:

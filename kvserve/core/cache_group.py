@@ -13,14 +13,16 @@ the same way in every group; a group that gives a block back leaves the null blo
 The layers' cache tensors are shared across groups (tensor j holds the j-th layer of every
 group), so a block id names one row per tensor, used by whichever group holds the block.
 
-`CacheGroup` states the contract; `FullAttentionGroup` keeps every block. Kinds that give blocks
-back (sliding windows) override `remove_skipped_blocks` and `num_blocks_to_hold`.
+`CacheGroup` states the contract; `FullAttentionGroup` keeps every block; `SlidingWindowGroup`
+gives back the blocks its window has passed, so it holds at most the window plus one block per
+sequence.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 from kvserve.core.block_math import block_offset, num_blocks_for
 from kvserve.core.block_pool import BlockPool
@@ -30,8 +32,15 @@ from kvserve.core.block_pool import BlockPool
 class CacheGroupSpec:
     """A kind of attention and the layers that have it."""
 
-    kind: str  # "full"
+    kind: str  # "full" or "sliding"
     layers: tuple[int, ...]
+    window: Optional[int] = None  # "sliding": a query attends to its last `window` positions
+
+    def max_blocks_held(self, num_tokens: int, block_size: int) -> int:
+        """The most pool blocks a sequence of num_tokens holds in such a group: all of its
+        blocks, or a window's (its positions span at most cdiv(W - 1, bs) + 1 blocks)."""
+        n = num_blocks_for(num_tokens, block_size)
+        return n if self.window is None else min(n, num_blocks_for(self.window - 1, block_size) + 1)
 
 
 class CacheGroup:
@@ -107,6 +116,14 @@ class CacheGroup:
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Give back blocks attention will never read again; full attention reads them all."""
 
+    def max_blocks_held(self, num_tokens: int) -> int:
+        """The most pool blocks one sequence of num_tokens holds in this group."""
+        return self.spec.max_blocks_held(num_tokens, self.block_size)
+
+    def needed_from(self, num_tokens: int) -> int:
+        """The first table entry the next query (at position num_tokens) reads."""
+        return 0
+
     def set_table(self, request_id: str, blocks: list[int]) -> None:
         """A table that comes back whole (swap in); the runner is sent all of it."""
         self.tables[request_id] = blocks
@@ -141,6 +158,56 @@ class FullAttentionGroup(CacheGroup):
     """Layers that attend to every earlier token: every block is kept."""
 
 
+class SlidingWindowGroup(CacheGroup):
+    """Layers that attend to their last W positions (their own included). A block whose positions
+    all lie before the next query's window is read by no later query, so it goes back to the
+    pool and the null block takes its place:
+
+        W = 6, block size 4, next query at position 13: window 8..13
+        table  [ 7 | 3 | 9 | 12 ]  ->  [ null | 3 | 9 | 12 ]      (positions 0..3 given back)
+    """
+
+    def __init__(self, index: int, spec: CacheGroupSpec, pool: BlockPool, block_size: int) -> None:
+        super().__init__(index, spec, pool, block_size)
+        assert spec.window is not None and spec.window >= 1
+        self.window = spec.window
+
+    def needed_from(self, num_tokens: int) -> int:
+        return max(num_tokens - self.window + 1, 0) // self.block_size
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        table = self.tables.get(request_id)
+        if not table:
+            return
+        null = self.pool.null_block_id
+        assert null is not None
+        first = min(self.needed_from(num_computed), len(table))
+        skipped = [b for b in table[:first] if b != null]
+        if not skipped:
+            return
+        self.pool.release(reversed(skipped))
+        for i in range(first):
+            if table[i] != null:
+                table[i] = null
+                self._mark(request_id, i)
+
+
+def groups_of(layer_kinds: Sequence[str], window: Optional[int]) -> tuple[CacheGroupSpec, ...]:
+    """A model's layers grouped by how they attend, each kind cut into groups of g layers, g the
+    largest size that divides every kind's count (groups must be equally large: tensor j holds the
+    j-th layer of every group):
+
+        groups_of(["sliding"] * 5 + ["full"] + ["sliding"] * 5 + ["full"], 4)
+          == 6 groups of 2: sliding (0, 1), (2, 3), (4, 6), (7, 8), (9, 10); full (5, 11)
+    """
+    by_kind: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_kinds):
+        by_kind.setdefault(kind, []).append(i)
+    size = math.gcd(*(len(v) for v in by_kind.values()))
+    return tuple(CacheGroupSpec(kind, tuple(layers[j:j + size]), window if kind == "sliding" else None)
+                 for kind, layers in by_kind.items() for j in range(0, len(layers), size))
+
+
 def layer_maps(groups: tuple[CacheGroupSpec, ...], num_layers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the group of each layer, the cache tensor of each layer): the j-th layer of every group
     shares tensor j, so all groups must have as many layers.
@@ -161,7 +228,7 @@ def layer_maps(groups: tuple[CacheGroupSpec, ...], num_layers: int) -> tuple[tup
 
 
 def make_group(index: int, spec: CacheGroupSpec, pool: BlockPool, block_size: int) -> CacheGroup:
-    kinds = {"full": FullAttentionGroup}
+    kinds: dict[str, type[CacheGroup]] = {"full": FullAttentionGroup, "sliding": SlidingWindowGroup}
     if spec.kind not in kinds:
         raise ValueError(f"unknown cache group kind {spec.kind!r}; known: {sorted(kinds)}")
     return kinds[spec.kind](index, spec, pool, block_size)

@@ -17,7 +17,7 @@ from typing import Optional, Sequence
 from kvserve.core.block_hash import BlockHash, hash_full_blocks, root_hash
 from kvserve.core.block_math import num_blocks_for, num_full_blocks
 from kvserve.core.block_pool import BlockPool
-from kvserve.core.cache_group import CacheGroup, CacheGroupSpec, make_group
+from kvserve.core.cache_group import CacheGroup, CacheGroupSpec, FullAttentionGroup, make_group
 from kvserve.core.request import Request
 
 TableUpdate = Optional[tuple[int, list[int]]]  # (first changed entry, entries from there on)
@@ -38,11 +38,6 @@ class BlockCopies:
         return bool(self.swap_out or self.swap_in or self.copy_on_write or self.released or self.released_cpu)
 
 
-def single_group(num_layers: int) -> tuple[CacheGroupSpec, ...]:
-    """The layout of a model whose layers all attend to the whole sequence."""
-    return (CacheGroupSpec("full", tuple(range(num_layers))),)
-
-
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0, namespace: Sequence[object] = (),
@@ -53,7 +48,8 @@ class KVCacheManager:
         self.cpu_pool = BlockPool(num_cpu_blocks, False, null_block=False) if num_cpu_blocks > 0 else None
         self.groups: list[CacheGroup] = [make_group(i, s, self.pool, block_size) for i, s in enumerate(groups)]
         self.namespace = tuple(namespace)  # model id, dtype, kv dtype, adapter
-        self.swapped_blocks: dict[str, list[list[int]]] = {}  # per group
+        self.swapped_blocks: dict[str, list[list[int]]] = {}  # per group: the held blocks, in table order
+        self._swapped_len: dict[str, list[list[bool]]] = {}  # per group: which table entries were held
         self._num_hashed_blocks: dict[str, int] = {}
         self._copies = BlockCopies([], [], [])
         self.num_prefix_query_tokens = 0
@@ -63,6 +59,11 @@ class KVCacheManager:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def null_block(self) -> int:
+        assert self.pool.null_block_id is not None
+        return self.pool.null_block_id
 
     def block_table(self, request_id: str, group: int = 0) -> list[int]:
         return self.groups[group].table(request_id)
@@ -84,30 +85,44 @@ class KVCacheManager:
         return self.num_prefix_hit_tokens / q if q else 0.0
 
     def blocks_needed(self, num_tokens: int) -> int:
-        """Pool blocks one sequence of num_tokens holds at most, over all groups."""
-        return self.num_groups * num_blocks_for(num_tokens, self.block_size)
+        """Pool blocks one sequence of num_tokens holds at most, over all groups (a sliding-window
+        group holds its window's blocks only): what admission and sizing count."""
+        return sum(g.max_blocks_held(num_tokens) for g in self.groups)
 
     def find_cached_prefix(self, request: Request, use_cache: bool = True) -> tuple[list[list[int]], int]:
-        """The longest run of blocks cached in every group that matches the request's first
-        tokens (one list per group), and the tokens they cover. At most num_tokens - 1 tokens:
-        the last must be computed for its logits. use_cache=False: no hit (the request still
-        registers its own blocks for others)."""
+        """The longest cached prefix of the request's tokens, as each group's first table entries,
+        and the tokens it covers. Full-attention groups need every block of it cached; a
+        sliding-window group only the blocks the next query's window reads (the entries before
+        them are the null block). At most num_tokens - 1 tokens: the last must be computed for
+        its logits. use_cache=False: no hit (the request still registers its blocks for others)."""
         no_hit: list[list[int]] = [[] for _ in self.groups]
         if not self.enable_caching or not use_cache:
             return no_hit, 0
         self._extend_hashes(request)
         limit = num_full_blocks(request.num_tokens - 1, self.block_size)
+        found = self._cached_runs(request, limit)
+        hit = next((n for n in range(limit, 0, -1) if all(
+            all(b is not None for b in found[g.index][g.needed_from(n * self.block_size):n]) for g in self.groups)), 0)
+        tables = []
+        for g in self.groups:
+            start = g.needed_from(hit * self.block_size)
+            tables.append([self.null_block] * start + [b for b in found[g.index][start:hit] if b is not None])
+        return tables, hit * self.block_size
+
+    def _cached_runs(self, request: Request, limit: int) -> list[list[Optional[int]]]:
+        """Per group, the cached block of each of the first `limit` blocks (None: not cached). A
+        full-attention group stops at its first miss (nothing past it can be used)."""
         tokens, bs = request.all_token_ids, self.block_size
-        parent, hits = self._root(request), no_hit
-        for i, block_hash in enumerate(request.block_hashes[:limit]):
-            found = [self.pool.lookup(_key(block_hash, g), _key(parent, g), tuple(tokens[i * bs:(i + 1) * bs]))
-                     for g in range(self.num_groups)]
-            if any(b is None for b in found):
-                break
-            for table, b in zip(hits, found):
-                table.append(b)  # type: ignore[arg-type]
-            parent = block_hash
-        return hits, len(hits[0]) * bs
+        found: list[list[Optional[int]]] = [[] for _ in self.groups]
+        for g in self.groups:
+            parent = self._root(request)
+            for i, block_hash in enumerate(request.block_hashes[:limit]):
+                b = self.pool.lookup(_key(block_hash, g.index), _key(parent, g.index), tuple(tokens[i * bs:(i + 1) * bs]))
+                found[g.index].append(b)
+                if b is None and isinstance(g, FullAttentionGroup):
+                    break
+                parent = block_hash
+        return found
 
     # ---- mutations ----
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -120,11 +135,12 @@ class KVCacheManager:
         cached = cached_blocks or [[] for _ in self.groups]
         num_computed = request.num_computed_tokens + len(cached[0]) * self.block_size
         total = num_computed + num_new_tokens
+        self.remove_skipped_blocks(request)  # what no later query reads goes back first
         needed = 0
         for g, blocks in zip(self.groups, cached):
             needed += max(num_blocks_for(total, self.block_size) - len(g.table(rid)) - len(blocks), 0)
             needed += g.needs_copy_on_write(rid, num_computed, num_new_tokens)
-            needed += sum(1 for b in blocks if self.pool.is_evictable(b))  # revived from the queue
+            needed += sum(1 for b in blocks if b != self.pool.null_block_id and self.pool.is_evictable(b))
         if not self.pool.can_take(needed):
             return False
         for g, blocks in zip(self.groups, cached):
@@ -138,6 +154,19 @@ class KVCacheManager:
         self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
 
+    def holds_window_of(self, request: Request, num_tokens: int) -> bool:
+        """Whether every block the query at position num_tokens reads is still held (a rollback
+        past a sliding window's start would read blocks given back)."""
+        end = num_blocks_for(num_tokens, self.block_size)
+        return all(b != self.null_block for g in self.groups
+                   for b in g.table(request.request_id)[g.needed_from(num_tokens):end])
+
+    def remove_skipped_blocks(self, request: Request) -> None:
+        """Give back the blocks of sliding-window groups that the request's next query, at
+        position num_computed_tokens, and every later one no longer read."""
+        for g in self.groups:
+            g.remove_skipped_blocks(request.request_id, request.num_computed_tokens)
+
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_prefix_query_tokens += num_query_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
@@ -150,6 +179,7 @@ class KVCacheManager:
         if self.cpu_pool is not None:
             for blocks in self.swapped_blocks.pop(rid, []):
                 self.cpu_pool.release(blocks)
+        self._swapped_len.pop(rid, None)
         self._num_hashed_blocks.pop(rid, None)
 
     def trim(self, request: Request, num_tokens: int) -> None:
@@ -178,14 +208,17 @@ class KVCacheManager:
         tables = [list(g.held_blocks(rid)) for g in self.groups]
         if self.cpu_pool is None or not self.cpu_pool.can_take(sum(map(len, tables))):
             return False
-        swapped = []
+        swapped, held = [], []
         for g, blocks in zip(self.groups, tables):
             cpu_blocks = self.cpu_pool.take(len(blocks))
             self._copies.swap_out.extend(zip(blocks, cpu_blocks))
-            self.pool.release(reversed(g.pop(rid)))
+            table = g.pop(rid)
+            held.append([b != self.pool.null_block_id for b in table])
+            self.pool.release(reversed(table))
             swapped.append(cpu_blocks)
         self._num_hashed_blocks.pop(rid, None)
         self.swapped_blocks[rid] = swapped
+        self._swapped_len[rid] = held
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -193,15 +226,17 @@ class KVCacheManager:
         nothing, when the pool cannot hold it."""
         rid = request.request_id
         swapped = self.swapped_blocks.get(rid, [[] for _ in self.groups])
-        total = self.blocks_needed(request.num_computed_tokens + num_new_tokens)
+        total = sum(len(b) for b in swapped) + self.num_groups * num_blocks_for(num_new_tokens + self.block_size,
+                                                                                self.block_size)
         if not self.pool.can_take(max(total, sum(map(len, swapped)))):
             return False
         assert self.cpu_pool is not None
-        for g, cpu_blocks in zip(self.groups, swapped):
-            blocks = self.pool.take(len(cpu_blocks))
-            self._copies.swap_in.extend(zip(cpu_blocks, blocks))
+        for g, cpu_blocks, held in zip(self.groups, swapped, self._swapped_len.pop(rid)):
+            blocks = iter(self.pool.take(len(cpu_blocks)))
+            table = [next(blocks) if h else self.null_block for h in held]
+            self._copies.swap_in.extend(zip(cpu_blocks, [b for b in table if b != self.null_block]))
             self.cpu_pool.release(cpu_blocks)
-            g.set_table(rid, blocks)
+            g.set_table(rid, table)
         del self.swapped_blocks[rid]
         self._num_hashed_blocks[rid] = 0
         allocated = self.allocate_slots(request, num_new_tokens)

@@ -20,6 +20,7 @@ import time
 from typing import Callable, Optional
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
@@ -121,7 +122,9 @@ class Scheduler:
     def rollback(self, req: Request, num_computed_tokens: int, num_output_tokens: Optional[int] = None) -> None:
         """Take tokens back: keep num_output_tokens output tokens (default: all) and the K/V of
         only num_computed_tokens (fewer than the tokens kept, so one is left to compute). The
-        blocks past them go back to the pool; none of them stays registered for this request."""
+        blocks past them go back to the pool; none of them stays registered for this request.
+        Where a sliding window already gave back blocks the next query would read, the request
+        computes its tokens again from the start (prefix caching serves what it can)."""
         if req.status not in (RequestStatus.RUNNING, RequestStatus.WAITING, RequestStatus.PREEMPTED):
             raise ValueError(f"cannot roll back request {req.request_id!r} while it is {req.status.value}")
         if num_output_tokens is not None:
@@ -131,6 +134,9 @@ class Scheduler:
         if not 0 <= num_computed_tokens < req.num_tokens or num_computed_tokens > req.num_computed_tokens:
             raise ValueError(f"cannot roll {req.request_id!r} back to {num_computed_tokens} computed tokens "
                              f"(it has {req.num_computed_tokens} of {req.num_tokens})")
+        if not self.kv.holds_window_of(req, num_computed_tokens):  # a sliding window gave those blocks back
+            self.kv.free(req)
+            num_computed_tokens = 0
         req.num_computed_tokens = num_computed_tokens
         req.spec_token_ids, req.spec_probs = [], None
         self.kv.trim(req, num_computed_tokens)
@@ -176,6 +182,7 @@ class Scheduler:
             if req is None:
                 continue  # aborted while the step ran
             req.num_computed_tokens += len(seq.input_token_ids)
+            self.kv.remove_skipped_blocks(req)  # what the window has passed goes back now
             if req.sampling_params.max_tokens == 0 and req.num_computed_tokens == req.num_tokens:  # scored
                 self.finish_request(req.request_id, RequestStatus.FINISHED_LENGTH)
                 touched.append(req)
@@ -185,6 +192,7 @@ class Scheduler:
             if seq.spec_token_ids:  # the accepted proposals' K/V stays; the rest is taken back
                 req.num_computed_tokens += len(tokens) - 1
                 self.kv.trim(req, req.num_computed_tokens)
+                self.kv.remove_skipped_blocks(req)
                 req.num_spec_steps += 1
                 req.num_spec_proposed += len(seq.spec_token_ids)
                 req.num_spec_accepted += len(tokens) - 1
@@ -219,8 +227,10 @@ class Scheduler:
         for req in self.requests.values():
             assert req.num_computed_tokens < req.num_tokens, req.request_id
             if req.status == RequestStatus.RUNNING:  # its tables cover exactly its computed tokens
-                need = self.kv.blocks_needed(req.num_computed_tokens)
-                assert self.kv.num_groups * len(self.kv.block_table(req.request_id)) == need, req.request_id
+                for g in self.kv.groups:  # and a sliding-window group holds only its window
+                    assert len(g.table(req.request_id)) == num_blocks_for(req.num_computed_tokens, self.kv.block_size)
+                    held = sum(1 for _ in g.held_blocks(req.request_id))
+                    assert held <= g.max_blocks_held(req.num_computed_tokens + 1), (req.request_id, held)
             elif req.status != RequestStatus.SWAPPED:
                 assert self.kv.num_held_blocks(req.request_id) == 0, req.request_id
             assert req.group_id in self.groups

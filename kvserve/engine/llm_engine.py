@@ -15,8 +15,8 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.block_math import num_blocks_for
-from kvserve.core.cache_group import CacheGroupSpec, layer_maps
-from kvserve.core.kv_cache_manager import KVCacheManager, single_group
+from kvserve.core.cache_group import CacheGroupSpec, groups_of, layer_maps
+from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
 from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
@@ -67,8 +67,8 @@ class EngineStats:
 
 
 def cache_groups(config: ModelConfig) -> tuple[CacheGroupSpec, ...]:
-    """The model's layers grouped by how they attend (one group: every layer attends fully)."""
-    return single_group(config.num_hidden_layers)
+    """The model's layers grouped by how they attend: full attention, or a sliding window."""
+    return groups_of(config.layer_kinds, config.sliding_window)
 
 
 class LLMEngine:
@@ -91,7 +91,7 @@ class LLMEngine:
         groups = cache_groups(loaded.config)
         layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
         self.plan = plan_cache(config.cache, loaded.config, config.kv_cache_dtype, self.max_model_len,
-                               config.scheduler.max_num_seqs, config.device, len(groups), config.dtype)
+                               config.scheduler.max_num_seqs, config.device, groups, config.dtype)
         self.storage, swap_storage = self._allocate_cache(self.plan, layer_tensor)
         self._set_fp8_scales(self.storage, swap_storage)
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
@@ -101,8 +101,8 @@ class LLMEngine:
                                  groups=groups)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
         self.beams = BeamSearch(self.scheduler)
-        layout = CacheLayout(layer_group, len(groups), self.plan.block_size, self.plan.num_blocks,
-                             self.max_model_len)
+        layout = CacheLayout(layer_group, len(groups), tuple(g.window for g in groups), self.plan.block_size,
+                             self.plan.num_blocks, self.max_model_len)
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         self.proposer = self._make_proposer(loaded)
@@ -229,7 +229,7 @@ class LLMEngine:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
                              f"{self.max_model_len}, so at most {room} fit")
         longest = min(len(ids) + params.max_tokens, self.max_model_len)
-        needed = num_blocks_for(longest, self.plan.block_size)
+        needed = self.kv.blocks_needed(longest)
         if needed > self.plan.num_blocks:
             raise ValueError(f"this request can grow to {longest} tokens ({needed} blocks) but the "
                              f"KV cache has {self.plan.num_blocks} blocks of {self.plan.block_size}; "

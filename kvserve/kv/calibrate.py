@@ -42,10 +42,11 @@ class _RecordingBackend(TorchAttentionBackend):
         self.amax = torch.zeros(num_layers, 2, num_kv_heads)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                storage: Optional[KVStorage], meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                storage: Optional[KVStorage], meta: AttentionMetadata, scale: float,
+                softcap: Optional[float] = None) -> torch.Tensor:
         for i, x in enumerate((k, v)):
             self.amax[layer, i] = torch.maximum(self.amax[layer, i], x.detach().float().abs().amax(dim=(0, 2)).cpu())
-        return super().forward(layer, q, k, v, storage, meta, scale)
+        return super().forward(layer, q, k, v, storage, meta, scale, softcap)
 
 
 def calibrate_fp8(model: LlamaForCausalLM, tokenizer: Optional[Tokenizer], fmt: str) -> torch.Tensor:

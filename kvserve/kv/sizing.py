@@ -9,9 +9,11 @@ tokens: the bytes per token are the model's either way."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 from kvserve.config import CacheConfig, ModelConfig
-from kvserve.core.block_math import blocks_in_budget, num_blocks_for
+from kvserve.core.block_math import blocks_in_budget
+from kvserve.core.cache_group import CacheGroupSpec
 from kvserve.kv.formats import KVFormat, check_format, kv_format
 
 DEFAULT_CPU_BUDGET = 4 << 30  # like vLLM's CPU backend default KV space
@@ -49,11 +51,14 @@ def free_device_memory(device: str) -> int:
 
 
 def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_model_len: int,
-               max_num_seqs: int, device: str, num_groups: int = 1, model_dtype: str = "float32") -> CachePlan:
+               max_num_seqs: int, device: str, groups: Sequence[CacheGroupSpec] = (),
+               model_dtype: str = "float32") -> CachePlan:
     """num_blocks is the pool's; the cache holds one more (the null block), and a budget pays
     for it too, and for what the format keeps besides blocks (int4's residual slots, one per
     sequence; fp8's scales)."""
     fmt = kv_format(kv_cache_dtype, model_dtype)
+    groups = tuple(groups) or (CacheGroupSpec("full", tuple(range(model.num_hidden_layers))),)
+    num_groups = len(groups)
     block_size = max_model_len if cache.layout == "contiguous" else cache.block_size
     check_format(fmt, model, block_size, cache.layout)
     block_bytes = int(block_size * fmt.bytes_per_token(model, block_size)) // num_groups
@@ -76,6 +81,7 @@ def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_
             raise ValueError(f"a KV cache budget of {budget} bytes holds no block besides the null "
                              f"block ({block_bytes} bytes each); raise --kv-cache-memory")
         # more blocks than every seat filled to the context length can never be used at once
-        num_blocks = min(num_blocks, max_num_seqs * num_groups * num_blocks_for(max_model_len, block_size) + 1)
+        per_seq = sum(g.max_blocks_held(max_model_len, block_size) for g in groups)
+        num_blocks = min(num_blocks, max_num_seqs * per_seq + 1)
     return CachePlan(block_size, num_blocks, block_bytes, blocks_in_budget(cache.swap_space_bytes, block_bytes),
                      fmt, residual_slots, residual_slot_bytes, fmt.fixed_bytes(model))

@@ -101,14 +101,14 @@ class KVStorage(ABC):
         sequence can attend to its fresh K/V without reading the cache."""
         return False
 
-    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
+    def chunk_view(self, start: int, q_len: int, device: torch.device, window: Optional[int] = None) -> ChunkView:
         """Once per step and chunk: which version of each K/V the chunk's queries see. A query
         sees the cache as it is right after its own K/V was written, whichever step wrote the
         rest, so a prompt gets the same numbers prefilled whole, in chunks, after a prefix-cache
-        hit or token by token. Here: the cache's K/V of every earlier position and its own."""
-        context_len = start + q_len
-        q_pos = torch.arange(start, context_len, device=device)
-        return ChunkView(torch.arange(context_len, device=device).unsqueeze(0) <= q_pos.unsqueeze(1))
+        hit or token by token. Here: the cache's K/V of every earlier position (within the
+        window, if any) and its own."""
+        from kvserve.attention.torch_backend import window_causal_mask
+        return ChunkView(window_causal_mask(start, q_len, start + q_len, window, device))
 
     def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,7 +120,8 @@ class KVStorage(ABC):
 
 @dataclass
 class ChunkView:
-    mask: torch.Tensor  # [q_len, S] bool: True where a query attends to key i of chunk_context
+    mask: torch.Tensor  # [q_len, S] bool: True where a query attends to key i
+    from_cache: bool = True  # keys from chunk_context; False: the chunk's own fresh K/V
 
 
 class BlockTensorStorage(KVStorage):
@@ -409,13 +410,14 @@ class Int4KVStorage(BlockTensorStorage):
         shape = (*block_tables.shape[:-1], -1, *self.row_shape[1:])
         return k[:, :num_slots].reshape(shape), v[:, :num_slots].reshape(shape)
 
-    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
+    def chunk_view(self, start: int, q_len: int, device: torch.device, window: Optional[int] = None) -> ChunkView:
         """A query sees the cache right after its own write: blocks filled by then quantized, and
         its own block, unless it just filled it, as written. The keys are the cache's context
         followed by the exact tail from the first query's block start ([S0 + tail]):
 
             query p in block b, p not b's last slot: cache keys before b, tail keys b_start..p
-            query p that fills its block:            cache keys 0..p"""
+            query p that fills its block:            cache keys 0..p
+            (with a window, only keys after p - window)"""
         bs, context_len = self.block_size, start + q_len
         tail_start = start - start % bs
         p = torch.arange(start, context_len, device=device).unsqueeze(1)
@@ -425,6 +427,9 @@ class Int4KVStorage(BlockTensorStorage):
         tail_pos = torch.arange(tail_start, context_len, device=device).unsqueeze(0)
         cache_mask = torch.where(fills, cache_pos <= p, cache_pos < own_block)
         tail_mask = ~fills & (tail_pos >= own_block) & (tail_pos <= p)
+        if window is not None:
+            cache_mask &= cache_pos > p - window
+            tail_mask &= tail_pos > p - window
         return ChunkView(torch.cat([cache_mask, tail_mask], dim=1))
 
     def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,

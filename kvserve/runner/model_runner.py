@@ -47,6 +47,7 @@ class CacheLayout:
 
     layer_group: tuple[int, ...]  # the cache group of each layer
     num_groups: int
+    group_windows: tuple[Optional[int], ...]  # each group's sliding window (None: full attention)
     block_size: int
     null_block_id: int
     max_model_len: int
@@ -62,7 +63,9 @@ class ModelRunner:
         self.layout = layout
         self.device = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
-        self.backend = attention.select(attention_backend, storage, self.device, layout.block_size, dtype)
+        softcapped = model.config.attn_logit_softcapping is not None  # the kernel does not soft-cap
+        self.backend = attention.select("torch" if softcapped and attention_backend == "auto" else attention_backend,
+                                        storage, self.device, layout.block_size, dtype)
         install(model, self.backend, layout.layer_group)
         self.tables = [BlockTables(layout.null_block_id, layout.block_size,
                                    cdiv(layout.max_model_len, layout.block_size) + 1, self.device)
@@ -132,8 +135,8 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
         self.storage.begin_step()
-        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts),
-                                                self.storage) for t in self.tables]
+        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts, w),
+                                                self.storage) for t, w in zip(self.tables, self.layout.group_windows)]
         return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
 
     def _as_decode(self, s: ScheduledSequence) -> bool:
@@ -148,14 +151,14 @@ class ModelRunner:
         return bool(s.spec_token_ids) and len(s.input_token_ids) == 1 and self.storage.kind != "int4"
 
     def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
-                        pos: torch.Tensor, counts: torch.Tensor) -> AttentionMetadata:
+                        pos: torch.Tensor, counts: torch.Tensor, window: Optional[int]) -> AttentionMetadata:
         assert self.storage is not None
         rows = table.row_index([s.request_id for s in ordered])
         token_rows = torch.repeat_interleave(rows, counts)
         slots = table.slots(token_rows, pos)
         num_decode_rows = int(counts[:num_decodes].sum())
         meta = AttentionMetadata(slot_mapping=slots, kv_write_plan=self.storage.plan_writes(slots),
-                                 num_decode_tokens=num_decode_rows)
+                                 num_decode_tokens=num_decode_rows, sliding_window=window)
         if num_decodes:  # one query row per token: its context ends at its own position
             ctx = pos[:num_decode_rows] + 1
             meta.decode_max_context = int(ctx.max())
@@ -172,14 +175,15 @@ class ModelRunner:
         """No cache: each sequence's whole context is fed again from position 0."""
         ids: list[int] = []
         positions: list[int] = []
-        meta = AttentionMetadata()
+        meta = AttentionMetadata(sliding_window=self.layout.group_windows[0])
         for s in seqs:
             known = s.start_position + len(s.input_token_ids)
             tokens = (list(s.prompt_token_ids) + list(s.output_token_ids))[:known] + s.spec_token_ids
             meta.prefills.append(PrefillSpan(len(ids), len(tokens), len(tokens)))
             ids += tokens
             positions += range(len(tokens))
-        metadata = [self.backend.build_metadata(meta, None)] * len(self.tables)
+        metadata = [self.backend.build_metadata(AttentionMetadata(**{**vars(meta), "sliding_window": w}), None)
+                    for w in self.layout.group_windows]
         return self._model_input(ids, torch.tensor(positions, dtype=torch.long),
                                  ForwardContext(None, metadata), list(seqs))
 

@@ -57,7 +57,7 @@ def test_kernel_matches_reference_fp32(kernel, H, KVH, BS):
     lens = [1, 17, 33, 64, 5]
     q, k, v, t, n = build(len(lens), H, KVH, 64, BS, lens, torch.float32)
     ref = reference(q, k, v, t, n)
-    out = kernel(q, k, v, t, n, 64 ** -0.5)
+    out = kernel(q, k, v, t, n, 64 ** -0.5, 0)
     assert (out - ref).abs().max().item() < 1e-5
 
 
@@ -68,7 +68,7 @@ def test_kernel_matches_reference_other_shapes(kernel, H, KVH, D):
     lens = [1, 15, 16, 40, 257]
     q, k, v, t, n = build(len(lens), H, KVH, D, 16, lens, torch.float32, seed=D)
     ref = reference(q, k, v, t, n)
-    assert (kernel(q, k, v, t, n, D ** -0.5) - ref).abs().max().item() < 1e-5
+    assert (kernel(q, k, v, t, n, D ** -0.5, 0) - ref).abs().max().item() < 1e-5
 
 
 def test_kernel_softmax_holds_at_extreme_scores(kernel):
@@ -77,7 +77,7 @@ def test_kernel_softmax_holds_at_extreme_scores(kernel):
     q, k, v, t, n = build(2, 9, 3, 64, 16, lens, torch.float32, seed=7)
     q = q * 40
     ref = reference(q, k, v, t, n)
-    out = kernel(q, k, v, t, n, 64 ** -0.5)
+    out = kernel(q, k, v, t, n, 64 ** -0.5, 0)
     assert torch.isfinite(out).all() and (out - ref).abs().max().item() < 1e-4
 
 
@@ -85,7 +85,7 @@ def test_kernel_matches_reference_bf16(kernel):
     lens = [7, 100, 300]
     q, k, v, t, n = build(3, 9, 3, 64, 16, lens, torch.bfloat16)
     ref = reference(q.float(), k.float(), v.float(), t, n)
-    out = kernel(q, k, v, t, n, 64 ** -0.5).float()
+    out = kernel(q, k, v, t, n, 64 ** -0.5, 0).float()
     assert (out - ref).abs().max().item() < 2e-2
 
 
@@ -146,7 +146,7 @@ def test_kernel_over_quantized_blocks_equals_dequantize_then_attend(kernel_modul
                                                     decode_context_lens=n, decode_max_context=int(n.max())), None)
     ref = backend.decode(0, q, storage, meta, D ** -0.5)  # gathers, dequantizes, SDPA
     entry, operands = storage.decode_operands(0)
-    out = getattr(kernel_module, entry)(q, *operands, tables, n, D ** -0.5)
+    out = getattr(kernel_module, entry)(q, *operands, tables, n, D ** -0.5, 0)
     assert (out - ref).abs().max().item() < 1e-5
 
 
@@ -166,4 +166,25 @@ def test_kernel_reads_a_bf16_cache_for_fp32_queries(kernel_module):
                                                     decode_context_lens=n, decode_max_context=int(n.max())), None)
     ref = backend.decode(0, q, storage, meta, 0.125)
     entry, operands = storage.decode_operands(0)
-    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125) - ref).abs().max().item() < 1e-5
+    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125, 0) - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("window", [1, 5, 16, 37])
+def test_kernel_attends_to_the_last_window_positions_only(kernel_module, fmt, window):
+    """Blocks wholly behind the window are the null block in a sliding-window group: the kernel
+    never reads them, the torch path masks them."""
+    lens = [3, 20, 64, 100]
+    storage, tables, n = filled_storage(fmt, lens)
+    null = storage.num_blocks - 1
+    for b, L in enumerate(lens):  # give back what is wholly behind each window
+        for i in range(max(0, L - window) // 16):
+            tables[b, i] = null
+    q = torch.randn(len(lens), 9, 64, generator=torch.Generator().manual_seed(3))
+    backend = TorchAttentionBackend(16, torch.float32)
+    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=len(lens), decode_block_tables=tables,
+                                                    decode_context_lens=n, decode_max_context=int(n.max()),
+                                                    sliding_window=window), None)
+    ref = backend.decode(0, q, storage, meta, 0.125)
+    entry, operands = storage.decode_operands(0)
+    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125, window) - ref).abs().max().item() < 1e-5

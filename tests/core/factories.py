@@ -6,6 +6,7 @@ import itertools
 from typing import Optional
 
 from kvserve.config import SchedulerConfig
+from kvserve.core.cache_group import CacheGroupSpec
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, SchedulerOutput
 from kvserve.core.scheduler import Scheduler
@@ -23,14 +24,18 @@ def make_request(tokens, max_tokens: int = 8, salt: Optional[str] = None, priori
                    output_token_ids=list(output))
 
 
+HYBRID = (CacheGroupSpec("sliding", (0,), window=6), CacheGroupSpec("full", (1,)))  # a window group and a full one
+
+
 def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True,
-                 cpu_blocks: int = 0, namespace=("m", "float32", "float32", None)) -> KVCacheManager:
-    return KVCacheManager(num_blocks, block_size, caching, cpu_blocks, namespace)
+                 cpu_blocks: int = 0, namespace=("m", "float32", "float32", None), groups=None) -> KVCacheManager:
+    return KVCacheManager(num_blocks, block_size, caching, cpu_blocks, namespace,
+                          **({} if groups is None else {"groups": groups}))
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 64,
-                   caching: bool = True, cpu_blocks: int = 0, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), make_manager(num_blocks, block_size, caching, cpu_blocks),
+                   caching: bool = True, cpu_blocks: int = 0, groups=None, **cfg) -> Scheduler:
+    return Scheduler(SchedulerConfig(**cfg), make_manager(num_blocks, block_size, caching, cpu_blocks, groups=groups),
                      max_model_len)
 
 

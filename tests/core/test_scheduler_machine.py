@@ -10,19 +10,20 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from kvserve.core.outputs import ModelRunnerOutput
 from kvserve.core.request import RequestStatus
-from tests.core.factories import make_request, make_scheduler
+from tests.core.factories import HYBRID, make_request, make_scheduler
 
 VOCAB = 5  # few distinct tokens: prompts and outputs collide, so prefix hits happen
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["fcfs", "priority"]),
-                block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16))
-    def setup(self, mode, policy, block_size, budget):
-        self.num_blocks = 48 // block_size
+                block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16), hybrid=st.booleans())
+    def setup(self, mode, policy, block_size, budget, hybrid):
+        self.num_blocks = 48 // block_size * (2 if hybrid else 1)
         self.sched = make_scheduler(num_blocks=self.num_blocks, block_size=block_size, max_model_len=40,
                                     cpu_blocks=self.num_blocks if mode == "swap" else 0, preemption_mode=mode,
-                                    policy=policy, max_num_batched_tokens=budget, max_num_seqs=6)
+                                    policy=policy, max_num_batched_tokens=budget, max_num_seqs=6,
+                                    groups=HYBRID if hybrid else None)
         self.num_added = 0
 
     def live(self, *statuses):
@@ -84,8 +85,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         keep_outputs = max(req.num_output_tokens - drop, 0)
         num_tokens = req.num_prompt_tokens + keep_outputs
         target = min(max(req.num_computed_tokens - back, 0), num_tokens - 1)
+        kept = self.sched.kv.holds_window_of(req, target)
         self.sched.rollback(req, target, keep_outputs)
-        assert req.num_computed_tokens == target and req.num_output_tokens == keep_outputs
+        # back past what a sliding window gave back: the request starts again from its first token
+        assert req.num_computed_tokens == (target if kept else 0) and req.num_output_tokens == keep_outputs
 
     @invariant()
     def integrity(self):

@@ -79,10 +79,10 @@ def smollm2_kv(smollm2):
     seen = {"k": [], "v": []}
 
     class Keep(_RecordingBackend):
-        def forward(self, layer, q, k, v, storage, meta, scale):
+        def forward(self, layer, q, k, v, storage, meta, scale, softcap=None):
             seen["k"].append(k.clone())
             seen["v"].append(v.clone())
-            return super().forward(layer, q, k, v, storage, meta, scale)
+            return super().forward(layer, q, k, v, storage, meta, scale, softcap)
 
     from kvserve.attention.backend import AttentionMetadata, PrefillSpan
     from kvserve.attention.layer import ForwardContext, install

@@ -27,8 +27,9 @@ def test_explicit_block_count_is_the_pool():
 def test_groups_split_the_layers_over_blocks():
     """Two groups: a block holds half the layers and a sequence takes twice the blocks, so a
     budget holds the same tokens."""
-    one = plan_cache(CacheConfig(memory_bytes=1 << 26), SMOLLM2, "float32", 8192, 64, "cpu", 1)
-    two = plan_cache(CacheConfig(memory_bytes=1 << 26), SMOLLM2, "float32", 8192, 64, "cpu", 2)
+    one = plan_cache(CacheConfig(memory_bytes=1 << 26), SMOLLM2, "float32", 8192, 64, "cpu")
+    two = plan_cache(CacheConfig(memory_bytes=1 << 26), SMOLLM2, "float32", 8192, 64, "cpu",
+                     layer_maps_groups(2))
     assert two.block_bytes * 2 == one.block_bytes
     assert two.num_blocks + 1 == 2 * (one.num_blocks + 1)
 
@@ -46,3 +47,8 @@ def test_layer_maps_share_tensors_across_groups():
         layer_maps((CacheGroupSpec("full", (0,)), CacheGroupSpec("full", (1, 2))), 3)
     with pytest.raises(ValueError, match=r"layers \[2\] are in no cache group"):
         layer_maps((CacheGroupSpec("full", (0, 1)),), 3)
+
+
+def layer_maps_groups(n):
+    """SmolLM2's 30 layers cut into n full-attention groups."""
+    return tuple(CacheGroupSpec("full", tuple(range(i, 30, n))) for i in range(n))

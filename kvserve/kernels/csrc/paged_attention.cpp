@@ -5,6 +5,7 @@
 //   q        [B, H, D]                  (H = KVH * G query heads; G share one K/V head)
 //   cache    [num_blocks, BS, KVH, D]   in one of the formats below
 //   tables   [B, max_blocks] int64      ctx_lens [B] int64
+//   window   0, or W: each query attends to its context's last W positions only
 //   out      [B, H, D]
 //
 // Work is split over (sequence, kv head) pairs; each pair walks its blocks twice (K, then V),
@@ -38,6 +39,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -225,17 +227,21 @@ struct Int4 {
   }
 };
 
-// Calls row(t, ptr) for each token t in [0, L) with ptr its fp32 row; the block table is read
-// once per block and each block dequantized once.
+// Calls row(t - begin, ptr) for each token t in [begin, L) with ptr its fp32 row; the block
+// table is read once per block and each block dequantized once. Blocks before `begin` (behind a
+// sliding window, possibly given back: the null block) are never read.
 template <typename Src, typename RowFn>
-inline void for_each_row(const Src& src, const int64_t* table, int64_t L, int64_t BS, int64_t kh, float* buf,
-                         RowFn&& row) {
-  for (int64_t t0 = 0; t0 < L; t0 += BS) {
+inline void for_each_row(const Src& src, const int64_t* table, int64_t begin, int64_t L, int64_t BS, int64_t kh,
+                         float* buf, RowFn&& row) {
+  for (int64_t t0 = begin / BS * BS; t0 < L; t0 += BS) {
     const int64_t n = std::min(BS, L - t0);
     const Rows r = src.rows(table[t0 / BS], kh, n, buf);
-    for (int64_t i = 0; i < n; ++i) row(t0 + i, r.ptr + i * r.stride);
+    for (int64_t i = std::max<int64_t>(0, begin - t0); i < n; ++i) row(t0 + i - begin, r.ptr + i * r.stride);
   }
 }
+
+// The first position a query at L - 1 attends to: its last `window` positions (0: all).
+inline int64_t window_begin(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
 
 // The G query heads of sequence b that share KV head kh, as fp32 times the softmax scale: qf [G, D].
 template <typename scalar_t>
@@ -248,17 +254,17 @@ inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, 
 template <typename scalar_t, typename KSrc, typename VSrc>
 void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                      scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-                     float scale) {
+                     float scale, int64_t window) {
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), buf(BS * D), scores, row_max(G), row_sum(G);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, L = lens[b];
+      const int64_t b = idx / KVH, kh = idx % KVH, first = window_begin(lens[b], window), L = lens[b] - first;
       const int64_t* table = tables + b * max_blocks;
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       scores.assign(G * L, 0.f);
       std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      for_each_row(ks, table, L, BS, kh, buf.data(), [&](int64_t t, const float* k) {
+      for_each_row(ks, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* k) {
         for (int64_t g = 0; g < G; ++g) {
           const float* qg = qf.data() + g * D;
           float sum = 0.f;
@@ -277,7 +283,7 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
         row_sum[g] = sum;
       }
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vs, table, L, BS, kh, buf.data(), [&](int64_t t, const float* v) {
+      for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
         for (int64_t g = 0; g < G; ++g) {
           const float p = scores[g * L + t];
           float* a = acc.data() + g * D;
@@ -350,27 +356,28 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
 
 template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
 void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
-                   scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale) {
+                   scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale,
+                   int64_t window) {
   constexpr int64_t D = NV * 16;
   const int64_t G = H / KVH;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, L = lens[b];
+      const int64_t b = idx / KVH, kh = idx % KVH, first = window_begin(lens[b], window), L = lens[b] - first;
       const int64_t* table = tables + b * max_blocks;
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       const int64_t Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
-      // pass 1: scores, 16 tokens of a block at a time
-      for (int64_t t0 = 0; t0 < L; t0 += BS) {
-        const int64_t n = std::min(BS, L - t0);
+      // pass 1: scores, 16 tokens of a block at a time (score i is position first + i)
+      for (int64_t t0 = first / BS * BS; t0 < lens[b]; t0 += BS) {
+        const int64_t n = std::min(BS, lens[b] - t0);
         const Rows r = ks.rows(table[t0 / BS], kh, n, buf.data());
-        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+        for (int64_t i0 = std::max<int64_t>(0, first - t0); i0 < n; i0 += 16) {
           const Rows part{r.ptr + i0 * r.stride, r.stride};
           const int64_t m = std::min<int64_t>(16, n - i0);
           for (int64_t g = 0; g < G; ++g) {
             const __m512 s16 = scores16<NV>(qf.data() + g * D, part, m);
-            _mm512_mask_storeu_ps(scores.data() + g * Lp + t0 + i0, static_cast<__mmask16>((1u << m) - 1), s16);
+            _mm512_mask_storeu_ps(scores.data() + g * Lp + t0 + i0 - first, static_cast<__mmask16>((1u << m) - 1), s16);
           }
         }
       }
@@ -394,7 +401,7 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
       __m512 o[8][NV];  // G <= 8 on this path
       for (int64_t g = 0; g < G; ++g)
         for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
-      for_each_row(vs, table, L, BS, kh, buf.data(), [&](int64_t t, const float* v) {
+      for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
         __m512 vv[NV];
         for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
         for (int64_t g = 0; g < G; ++g) {
@@ -416,37 +423,39 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
 template <typename scalar_t, typename KSrc, typename VSrc>
 void decode(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
             scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
-            float scale) {
+            float scale, int64_t window) {
 #if defined(__AVX512F__)
   if constexpr (!std::is_same_v<scalar_t, double>) {
     if (H / KVH <= 8) {
+      const auto args = std::make_tuple(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale, window);
       switch (D) {
-        case 16: return decode_avx512<scalar_t, 1>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
-        case 32: return decode_avx512<scalar_t, 2>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
-        case 64: return decode_avx512<scalar_t, 4>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
-        case 128: return decode_avx512<scalar_t, 8>(q, ks, vs, tables, lens, out, B, H, KVH, BS, max_blocks, scale);
+        case 16: return std::apply(decode_avx512<scalar_t, 1, KSrc, VSrc>, args);
+        case 32: return std::apply(decode_avx512<scalar_t, 2, KSrc, VSrc>, args);
+        case 64: return std::apply(decode_avx512<scalar_t, 4, KSrc, VSrc>, args);
+        case 128: return std::apply(decode_avx512<scalar_t, 8, KSrc, VSrc>, args);
         default: break;
       }
     }
   }
 #endif
-  decode_portable(q, ks, vs, tables, lens, out, B, H, KVH, D, BS, max_blocks, scale);
+  decode_portable(q, ks, vs, tables, lens, out, B, H, KVH, D, BS, max_blocks, scale, window);
 }
 
 // ---- entry points: one per format; they check shapes and dispatch on the query dtype ----
 struct Call {
   torch::Tensor q, tables, lens, out;
-  int64_t B, H, D, BS, KVH;
+  int64_t B, H, D, BS, KVH, window;
 };
 
 Call prepare(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-             const torch::Tensor& lens, int64_t head_dim) {
+             const torch::Tensor& lens, int64_t head_dim, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4, "q [B, H, D] and a cache [num_blocks, BS, KVH, ...]");
   TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
   TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 tables and lengths");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), torch::empty_like(q), q.size(0), q.size(1),
-         q.size(2), cache.size(1), cache.size(2)};
+         q.size(2), cache.size(1), cache.size(2), window};
   TORCH_CHECK(c.D == head_dim && c.H % c.KVH == 0 && c.D <= 256, "shape mismatch");
   return c;
 }
@@ -455,14 +464,15 @@ template <typename KSrc, typename VSrc>
 torch::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, c.q.scalar_type(), "paged_decode", [&] {
     decode(c.q.data_ptr<scalar_t>(), ks, vs, c.tables.data_ptr<int64_t>(), c.lens.data_ptr<int64_t>(),
-           c.out.data_ptr<scalar_t>(), c.B, c.H, c.KVH, c.D, c.BS, c.tables.size(1), static_cast<float>(scale));
+           c.out.data_ptr<scalar_t>(), c.B, c.H, c.KVH, c.D, c.BS, c.tables.size(1), static_cast<float>(scale),
+           c.window);
   });
   return c.out;
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
-                           torch::Tensor lens, double scale) {
-  Call c = prepare(q, k, tables, lens, k.size(3));
+                           torch::Tensor lens, double scale, int64_t window) {
+  Call c = prepare(q, k, tables, lens, k.size(3), window);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && v.is_contiguous(), "one dtype for K and V");
   const Shape s{c.BS, c.KVH, c.D};
   torch::Tensor out;
@@ -473,8 +483,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, to
 }
 
 torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v,
-                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, double scale) {
-  Call c = prepare(q, k, tables, lens, k.size(3));
+                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, double scale,
+                                int64_t window) {
+  Call c = prepare(q, k, tables, lens, k.size(3), window);
   TORCH_CHECK(k.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 && k_scale.scalar_type() == torch::kFloat
               && v_scale.scalar_type() == torch::kFloat && v.is_contiguous() && k_scale.is_contiguous()
               && v_scale.is_contiguous(), "int8 values and fp32 scales");
@@ -485,8 +496,8 @@ torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k, torch::Tensor 
 
 torch::Tensor paged_decode_fp8(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
                                torch::Tensor k_scales, torch::Tensor v_scales, bool e4m3, torch::Tensor tables,
-                               torch::Tensor lens, double scale) {
-  Call c = prepare(q, k, tables, lens, k.size(3));
+                               torch::Tensor lens, double scale, int64_t window) {
+  Call c = prepare(q, k, tables, lens, k.size(3), window);
   TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "fp8 codes");
   TORCH_CHECK(table.numel() == 256 && table.scalar_type() == torch::kFloat && k_scales.numel() == c.KVH
               && v_scales.numel() == c.KVH && k_scales.scalar_type() == torch::kFloat
@@ -500,8 +511,8 @@ torch::Tensor paged_decode_fp8(torch::Tensor q, torch::Tensor k, torch::Tensor v
 torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor k_zero,
                                 torch::Tensor v, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor slot_of,
                                 torch::Tensor res_k, torch::Tensor res_v, torch::Tensor tables, torch::Tensor lens,
-                                double scale) {
-  Call c = prepare(q, k, tables, lens, 2 * k.size(3));
+                                double scale, int64_t window) {
+  Call c = prepare(q, k, tables, lens, 2 * k.size(3), window);
   for (const auto& t : {k_scale, k_zero, v_scale, v_zero})
     TORCH_CHECK(t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 int4 scales and zeros");
   TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "packed int4");
