@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
@@ -104,10 +105,14 @@ def load_weights(model: str, tokenizer: Optional[str] = None) -> LoadedModel:
     return llama2c.load(path if fmt == "llama2c" else _llama2c_in(path), tokenizer)
 
 
+MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM}  # else the Llama family
+
+
 def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int) -> LlamaForCausalLM:
     """Instantiate without initialising (meta device), then adopt the loaded tensors."""
+    cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
-        model = LlamaForCausalLM(loaded.config)
+        model = cls(loaded.config)
     sd = {k: v.to(dtype=dtype) for k, v in loaded.state_dict.items()}
     if loaded.config.tie_word_embeddings:
         sd.pop("lm_head.weight", None)

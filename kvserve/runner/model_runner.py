@@ -63,9 +63,12 @@ class ModelRunner:
         self.layout = layout
         self.device = model.model.embed_tokens.weight.device
         dtype = model.model.embed_tokens.weight.dtype
-        softcapped = model.config.attn_logit_softcapping is not None  # the kernel does not soft-cap
-        self.backend = attention.select("torch" if softcapped and attention_backend == "auto" else attention_backend,
-                                        storage, self.device, layout.block_size, dtype)
+        if model.config.attn_logit_softcapping is not None:  # the kernel does not soft-cap scores
+            if attention_backend == "cpu-kernel":
+                raise ValueError("attention backend 'cpu-kernel' cannot soft-cap attention scores (this model's "
+                                 "attn_logit_softcapping); use auto or torch")
+            attention_backend = "torch"
+        self.backend = attention.select(attention_backend, storage, self.device, layout.block_size, dtype)
         install(model, self.backend, layout.layer_group)
         self.tables = [BlockTables(layout.null_block_id, layout.block_size,
                                    cdiv(layout.max_model_len, layout.block_size) + 1, self.device)

@@ -41,13 +41,15 @@ def build_hf(tmp_path, kind, **kw):
     return model
 
 
-def full_logits(model, ids):
-    """One pass over the whole sequence, no cache, through the torch backend."""
+def full_logits(model, ids, window=None):
+    """One pass over the whole sequence, no cache, through the torch backend (sliding layers in
+    group 1 with their window, full ones in group 0)."""
     T = len(ids)
     backend = TorchAttentionBackend(16, torch.float32)
-    install(model, backend, [0] * model.config.num_hidden_layers)
-    meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)]), None)
-    hidden = model(torch.tensor(ids), torch.arange(T), ForwardContext(None, [meta]))
+    install(model, backend, [int(k == "sliding") for k in model.config.layer_kinds])
+    metas = [backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, T, T)], sliding_window=w), None)
+             for w in (None, window)]
+    hidden = model(torch.tensor(ids), torch.arange(T), ForwardContext(None, metas))
     return model.compute_logits(hidden)
 
 

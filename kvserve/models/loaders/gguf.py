@@ -51,7 +51,10 @@ def read_config(path: str, meta: dict[str, Any] | None = None) -> ModelConfig:
     scaling = None
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
+    window = get("attention.sliding_window")  # llama.cpp writes it for Mistral and windowed Qwen2
     return ModelConfig(
+        layer_types=("sliding",) * int(get("block_count")) if window else (),
+        sliding_window=int(window) if window else None,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
         num_hidden_layers=int(get("block_count")), num_attention_heads=heads,
         num_key_value_heads=int(get("attention.head_count_kv", heads)),

@@ -14,7 +14,7 @@ from kvserve.models.loaders.base import LoadedModel, ModelLoadError
 from kvserve.tokenizer.hf import HFTokenizer, from_tokenizer_json
 
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2"}
+             "Qwen2ForCausalLM": "qwen2", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 
 
@@ -45,17 +45,54 @@ def read_config(directory: str) -> ModelConfig:
                              f"supported: {sorted(SUPPORTED)}")
     heads = c["num_attention_heads"]
     rope = c.get("rope_parameters") or {}  # transformers >= 5 keeps theta and scaling here
-    theta = c.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if arch == "gemma3" and "full_attention" in rope:  # one set per layer type
+        local = rope.get("sliding_attention", {}).get("rope_theta", c.get("rope_local_base_freq", 10000.0))
+        rope = rope["full_attention"]
+    else:
+        local = c.get("rope_local_base_freq", 10000.0) if arch == "gemma3" else None
+    theta = c.get("rope_theta", rope.get("rope_theta", 1_000_000.0 if arch == "gemma3" else 10000.0))
     scaling = c.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    layer_types, window = _layer_types(c, arch)
+    gemma = arch in ("gemma2", "gemma3")
     return ModelConfig(
         vocab_size=c["vocab_size"], hidden_size=c["hidden_size"],
         intermediate_size=c["intermediate_size"], num_hidden_layers=c["num_hidden_layers"],
         num_attention_heads=heads, num_key_value_heads=c.get("num_key_value_heads") or heads,
         head_dim=c.get("head_dim") or c["hidden_size"] // heads,
         max_position_embeddings=c.get("max_position_embeddings", 2048),
-        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling, tie_word_embeddings=c.get("tie_word_embeddings", False),
+        rms_norm_eps=c.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
+        tie_word_embeddings=c.get("tie_word_embeddings", gemma),
         attention_bias=c.get("attention_bias", arch == "qwen2"), architecture=arch,
-        name=c.get("_name_or_path") or os.path.basename(os.path.normpath(directory)))
+        name=c.get("_name_or_path") or os.path.basename(os.path.normpath(directory)),
+        layer_types=layer_types, sliding_window=window,
+        hidden_act="gelu_tanh" if gemma else "silu",
+        query_pre_attn_scalar=c.get("query_pre_attn_scalar") if gemma else None,
+        attn_logit_softcapping=c.get("attn_logit_softcapping", 50.0 if arch == "gemma2" else None),
+        final_logit_softcapping=c.get("final_logit_softcapping", 30.0 if arch == "gemma2" else None),
+        rope_local_theta=local)
+
+
+def _layer_types(c: dict[str, Any], arch: str) -> tuple[tuple[str, ...], Optional[int]]:
+    """Which layers attend through a sliding window, from the config's layer_types or, in older
+    configs, each family's rule (Mistral: all; Qwen2: from max_window_layers on, when
+    use_sliding_window; Gemma 2: every other; Gemma 3: all but every sliding_window_pattern-th)."""
+    n, window = c["num_hidden_layers"], c.get("sliding_window")
+    if arch == "qwen2" and not c.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return (), None
+    if c.get("layer_types"):
+        kinds = tuple("sliding" if t == "sliding_attention" else "full" for t in c["layer_types"])
+    elif arch == "qwen2":
+        kinds = tuple("sliding" if i >= c.get("max_window_layers", n) else "full" for i in range(n))
+    elif arch == "gemma2":
+        kinds = tuple("sliding" if (i + 1) % 2 else "full" for i in range(n))
+    elif arch == "gemma3":
+        pattern = c.get("sliding_window_pattern", 6)
+        kinds = tuple("sliding" if (i + 1) % pattern else "full" for i in range(n))
+    else:
+        kinds = ("sliding",) * n
+    return (kinds, window) if "sliding" in kinds else ((), None)
 
 
 def load(directory: str, tokenizer_path: Optional[str] = None) -> LoadedModel:
