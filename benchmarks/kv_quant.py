@@ -71,7 +71,7 @@ def fill_contexts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> 
             for layer in range(c.num_hidden_layers):
                 k = torch.randn(T, c.num_key_value_heads, c.head_dim, generator=g)
                 v = torch.randn(T, c.num_key_value_heads, c.head_dim, generator=g)
-                storage.write(layer, k, v, inp.ctx.metadata[0].kv_write_plan)
+                storage.write(layer, k, v, inp.ctx.metadata[runner.layout.layer_group[layer]].kv_write_plan)
         sched.update(out, ModelRunnerOutput({s.request_id: [7] for s in out.scheduled if s.num_samples}))
 
 
@@ -80,6 +80,11 @@ def decode_speed(loaded, fmt: str, batch: int, steps: int) -> float:
     engine = LLMEngine.from_options("bench", loaded=loaded, kv_cache_dtype=fmt, max_model_len=DECODE_CONTEXT + 128,
                                     max_num_seqs=batch, max_num_batched_tokens=4096, num_blocks=blocks)
     fill_contexts(engine, batch, DECODE_CONTEXT)
+    return decode_tok_s(engine, batch, steps)
+
+
+def decode_tok_s(engine: LLMEngine, batch: int, steps: int) -> float:
+    """batch / the median time of `steps` engine steps (after one untimed)."""
     times = []
     for _ in range(steps + 1):
         t0 = time.perf_counter()

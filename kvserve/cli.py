@@ -146,15 +146,28 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
 # ---- memory ----
 def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype: str,
-                  block_size: int, dtype: str = "float32") -> dict[str, Any]:
-    """The cache's cost from the same formula the engine sizes its cache by (kvserve.kv.formats)."""
+                  block_size: int, dtype: str = "float32", sliding_window: Optional[int] = None,
+                  attention_sinks: int = 0) -> dict[str, Any]:
+    """The cache's cost from the same formula the engine sizes its cache by (kvserve.kv.formats),
+    and, where layers slide (the model's own windows, or --sliding-window), what a sequence holds
+    when each such layer keeps only its window: the engine's cache groups, counted as admission
+    counts them."""
+    from kvserve.config import CacheConfig
     from kvserve.core.block_math import num_blocks_for
     from kvserve.kv.formats import check_format, kv_format, mha_bytes_per_token
+    from kvserve.kv.sizing import cache_groups
     from kvserve.models.registry import read_model_config
     cfg = read_model_config(model)
     fmt = kv_format(kv_cache_dtype, canonical_dtype(dtype))
     check_format(fmt, cfg, block_size)
     ctx = context or cfg.max_position_embeddings
+    groups = cache_groups(cfg, CacheConfig(block_size=block_size, sliding_window=sliding_window,
+                                           attention_sinks=attention_sinks), max(ctx, cfg.max_position_embeddings))
+    group_block_bytes = fmt.bytes_per_token(cfg, block_size) * block_size / len(groups)
+    sequence_bytes = sum(g.max_blocks_held(ctx, block_size) for g in groups) * group_block_bytes
+    layers_by_kind: dict[str, int] = {}
+    for g in groups:
+        layers_by_kind[g.kind] = layers_by_kind.get(g.kind, 0) + len(g.layers)
     per_token = fmt.bytes_per_token(cfg, block_size)
     mha = mha_bytes_per_token(fmt, cfg, block_size)
     blocks = num_blocks_for(ctx, block_size)
@@ -171,6 +184,9 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
         "mha_total_bytes": mha * ctx * batch, "block_size": block_size,
         "block_bytes": per_token * block_size, "blocks_per_sequence": blocks,
         "paged_total_bytes": per_token * block_size * blocks * batch + residual * batch + fixed,
+        "layers_by_kind": layers_by_kind, "sliding_window": next((g.window for g in groups if g.window), None),
+        "attention_sinks": attention_sinks, "sequence_bytes": sequence_bytes,
+        "windowed_total_bytes": sequence_bytes * batch + residual * batch + fixed,
     }
 
 
@@ -181,7 +197,8 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 
 
 def cmd_memory(a: argparse.Namespace) -> int:
-    r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype)
+    r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype, a.sliding_window,
+                      a.attention_sinks)
     if a.json:
         print(json.dumps(r))
         return 0
@@ -200,6 +217,12 @@ def cmd_memory(a: argparse.Namespace) -> int:
           f"({_human(r['total_bytes'])}); MHA-equivalent {_human(r['mha_total_bytes'])}")
     print(f"paged, block size {r['block_size']}: {r['blocks_per_sequence']} blocks of "
           f"{_human(r['block_bytes'])} per sequence, {_human(r['paged_total_bytes'])} in all")
+    if r["sliding_window"]:
+        kinds = ", ".join(f"{n} {k}" for k, n in r["layers_by_kind"].items())
+        sinks = f" + {r['attention_sinks']} sinks" if r["attention_sinks"] else ""
+        print(f"with sliding layers ({kinds}; window {r['sliding_window']}{sinks}), a sliding layer keeps "
+              f"only its window's blocks: {_human(r['sequence_bytes'])} per sequence, "
+              f"{_human(r['windowed_total_bytes'])} in all ({r['paged_total_bytes'] / r['windowed_total_bytes']:.1f}x less)")
     return 0
 
 
@@ -223,15 +246,24 @@ def cmd_eval(a: argparse.Namespace) -> int:
         raise UserError(f"need --chunk >= 1 and --context >= 2, got {a.chunk} and {a.context}")
     from kvserve.engine.llm_engine import LLMEngine
     from kvserve.models.registry import load_weights
-    opts = {**engine_options(a), "max_num_batched_tokens": a.chunk, "max_prefill_chunk": a.chunk,
-            "max_num_seqs": 1, "max_model_len": max(a.context, a.max_model_len or 0)}
+    opts = {**engine_options(a), "max_num_batched_tokens": a.chunk, "max_prefill_chunk": a.chunk, "max_num_seqs": 1}
+    if not a.stream:
+        opts["max_model_len"] = max(a.context, a.max_model_len or 0)
+    elif a.reference_kv_dtype:
+        raise UserError("--reference-kv-dtype compares windows (--context, --stride), not --stream")
     loaded = load_weights(a.model, a.tokenizer)  # one copy of the weights for both engines
     engine = LLMEngine.from_options(a.model, loaded=loaded, **opts)
+    trained = engine.model_config.max_position_embeddings
+    if not a.stream and a.context > trained and not a.max_model_len:
+        raise UserError(f"--context {a.context} is longer than the model's context ({trained}); "
+                        "give --max-model-len too to run windows past it")
     if engine.tokenizer is None:
         raise UserError(f"model {a.model!r} has no tokenizer to read --text with")
     tokens = engine.tokenizer.encode(text)[:a.max_text_tokens]
     if len(tokens) < 2:
         raise UserError(f"--text {a.text} holds {len(tokens)} tokens; at least 2 are needed")
+    if a.stream:
+        return _print_stream(engine, tokens, a)
     reference = None
     if a.reference_kv_dtype:
         reference = LLMEngine.from_options(a.model, loaded=loaded, **{**opts, "kv_cache_dtype": a.reference_kv_dtype})
@@ -246,6 +278,29 @@ def cmd_eval(a: argparse.Namespace) -> int:
         print(f"reference kv cache {r.reference_kv_dtype}: perplexity {r.reference_perplexity:.4f}; "
               f"delta {100 * r.delta_perplexity:+.3f}%, mean KL {r.mean_kl:.6f}, top-1 agreement "
               f"{100 * r.top1_agreement:.2f}%")
+    return 0
+
+
+def _print_stream(engine: Any, tokens: list[int], a: argparse.Namespace) -> int:
+    from kvserve.eval.perplexity import stream
+    try:
+        r = stream(engine, tokens, a.segment, progress=not a.json)
+    except ValueError as e:
+        if engine.unbounded or len(tokens) <= engine.max_model_len:
+            raise
+        raise UserError(f"{e}: a stream longer than the context needs --sliding-window (with --attention-sinks), "
+                        "or --max-model-len past the model's own for a dense cache") from e
+    if a.json:
+        print(json.dumps(r.as_dict()))
+        return 0
+    cache = (f"window {r.sliding_window}" + (f" with {r.attention_sinks} sinks" if r.attention_sinks else "")
+             if r.sliding_window else "dense")
+    print(f"{r.num_tokens:,} tokens scored as one stream ({cache}, kv cache {r.kv_cache_dtype}): perplexity "
+          f"{r.perplexity:.4f}; at most {r.max_blocks_held} blocks held ({_human(r.max_bytes_held)})")
+    print(f"{'tokens':>16} {'perplexity':>11} {'max blocks':>11}")
+    for seg in r.segments:
+        print(f"{seg['first']:>7,}-{seg['first'] + seg['tokens'] - 1:<8,} {seg['perplexity']:>11.3f} "
+              f"{seg['max_blocks_held']:>11}")
     return 0
 
 
@@ -288,6 +343,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4")
     m.add_argument("--dtype", default="float32", help="the model dtype (what auto means)")
     m.add_argument("--block-size", type=int, default=16)
+    m.add_argument("--sliding-window", type=int, default=None, help="window every layer (see kvserve generate)")
+    m.add_argument("--attention-sinks", type=int, default=0)
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_memory)
     e = sub.add_parser("eval", help="evaluations through the real cache")
@@ -299,6 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--chunk", type=int, default=512, help="prefill chunk: later chunks read earlier ones from the cache")
     ep.add_argument("--reference-kv-dtype", default=None, help="also run this cache format: KL, top-1, delta")
     ep.add_argument("--max-text-tokens", type=int, default=None, help="score only the first N tokens")
+    ep.add_argument("--stream", action="store_true",
+                    help="score the text as one sequence (with --sliding-window and --attention-sinks: "
+                         "StreamingLLM), perplexity per --segment tokens")
+    ep.add_argument("--segment", type=int, default=2000, help="tokens per reported segment of a --stream")
     ep.add_argument("--json", action="store_true")
     add_engine_args(ep)
     ep.set_defaults(func=cmd_eval)

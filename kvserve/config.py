@@ -141,6 +141,8 @@ class CacheConfig:
     kv_cache_scales: Optional[str] = None  # fp8: a JSON file of scales (default: calibrated at start)
     enable_prefix_caching: bool = True
     swap_space_bytes: int = 1 << 30
+    sliding_window: Optional[int] = None  # every layer attends to its last W positions (a bounded cache)
+    attention_sinks: int = 0  # and to the first S positions, which count within W (StreamingLLM)
 
     def __post_init__(self) -> None:
         if self.layout not in ("paged", "contiguous"):
@@ -156,6 +158,13 @@ class CacheConfig:
         if self.swap_space_bytes < 0:
             raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}")
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding window must be >= 1 token, got {self.sliding_window}")
+        if self.attention_sinks < 0:
+            raise ValueError(f"attention sinks must be >= 0, got {self.attention_sinks}")
+        if self.attention_sinks and self.sliding_window is not None and self.attention_sinks >= self.sliding_window:
+            raise ValueError(f"attention sinks ({self.attention_sinks}) must be fewer than the sliding window "
+                             f"({self.sliding_window}) they count within, leaving room for recent tokens")
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"kv cache scales are for the fp8 kv cache dtypes, not {self.kv_cache_dtype!r}")
 

@@ -36,6 +36,24 @@ def test_memory_named_configs_and_quantized_scales(capsys):
     assert r["bytes_per_token"] == 2 * 32 * 8 * 128 * 1 + 2 * 32 * 8 * 4  # values + one fp32 scale per head vector
 
 
+def test_memory_counts_what_sliding_layers_hold(capsys):
+    """A hybrid's local layers hold their window: Gemma 3 1B at 32,768 tokens, 22 local layers of
+    26 with a 512-token window, holds (4 * 2048 + 22 * 33) blocks of 16 tokens' worth per layer."""
+    assert main(["memory", "--model", "gemma-3-1b", "--json", "--context", "32768"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    per_layer_block = 2 * 1 * 256 * 4 * 16  # K and V, one KV head of 256, fp32, 16 tokens
+    assert r["layers_by_kind"] == {"sliding": 22, "full": 4} and r["sliding_window"] == 512
+    assert r["sequence_bytes"] == (4 * 2048 + 22 * 33) * per_layer_block
+    assert r["paged_total_bytes"] == 26 * 2048 * per_layer_block
+    assert main(["memory", "--model", "smollm2-135m", "--context", "8192", "--sliding-window", "1024",
+                 "--attention-sinks", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "30 sliding; window 1024 + 4 sinks" in text and "7.8x less" in text
+    for args, message in ((["--sliding-window", "1024"], "config fixes"), (["--attention-sinks", "4"], "needs a sliding")):
+        assert main(["memory", "--model", "gemma-3-1b" if "--sliding-window" in args else "smollm2-135m", *args]) == 2
+        assert message in capsys.readouterr().err
+
+
 def test_generate_json_on_stories():
     rc, out, err = run_cli("generate", "Once upon a time", "--model", str(STORIES_DIR), "--max-tokens", "30", "--json")
     assert rc == 0, err

@@ -47,6 +47,13 @@ class AttentionMetadata:
     decode_max_context: int = 0
     prefills: list[PrefillSpan] = field(default_factory=list)
     sliding_window: Optional[int] = None  # this group's layers attend to their last W positions only
+    # attention sinks (StreamingLLM): the first `sinks` positions count within the window, so a
+    # query attends to them and to its last W - sinks positions. Positions are ranks in the cache:
+    # a recent key is as far from the query as in the sequence, a sink as far as its rank from the
+    # query's rank min(p, W - 1); keys are stored rotated at their own positions, so a sink's score
+    # takes the query turned back by p - rank (sink_rotation: cos, sin [T, head_dim/2] per row).
+    sinks: int = 0
+    sink_rotation: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 class AttentionBackend(ABC):
@@ -73,3 +80,11 @@ class AttentionBackend(ABC):
         """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads, hd]. Scores are q.k * scale,
         capped to softcap * tanh(scores / softcap) where softcap is given, over each query's
         context (its last meta.sliding_window positions where the group has a window)."""
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, head_dim] rotated by angles cos, sin [T, head_dim/2]; the two halves rotate
+    together (the Hugging Face layout of RoPE)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -38,10 +38,15 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         return device.type == "cpu" and storage is not None
 
     def _decode_mask(self, meta: TorchAttentionMetadata) -> None:
-        """The kernel reads each context's exact length: no padding mask to build."""
+        """The kernel reads each context's exact length: no padding mask to build (groups with
+        attention sinks decode through the torch path: the kernel scores every key from one query)."""
+        if meta.sinks:
+            super()._decode_mask(meta)
 
     def decode(self, layer: int, q: torch.Tensor, storage: KVStorage, meta: AttentionMetadata,
-               scale: float, softcap: Optional[float] = None) -> torch.Tensor:
+               scale: float, softcap: Optional[float] = None, q_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if meta.sinks:
+            return super().decode(layer, q, storage, meta, scale, softcap, q_sink)
         assert softcap is None, "the kernel does not soft-cap scores: such models take the torch backend"
         entry, operands = storage.decode_operands(layer)
         return getattr(self.module, entry)(q.contiguous(), *operands, meta.decode_block_tables,

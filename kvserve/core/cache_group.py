@@ -15,7 +15,8 @@ group), so a block id names one row per tensor, used by whichever group holds th
 
 `CacheGroup` states the contract; `FullAttentionGroup` keeps every block; `SlidingWindowGroup`
 gives back the blocks its window has passed, so it holds at most the window plus one block per
-sequence.
+sequence; `SinkWindowGroup` (StreamingLLM's attention sinks) also keeps the blocks of the first
+tokens, so a stream of any length holds a constant number of blocks.
 """
 
 from __future__ import annotations
@@ -35,12 +36,23 @@ class CacheGroupSpec:
     kind: str  # "full" or "sliding"
     layers: tuple[int, ...]
     window: Optional[int] = None  # "sliding": a query attends to its last `window` positions
+    sinks: int = 0  # "sliding": and to the first `sinks` positions, within the window's count
 
-    def max_blocks_held(self, num_tokens: int, block_size: int) -> int:
-        """The most pool blocks a sequence of num_tokens holds in such a group: all of its
-        blocks, or a window's (its positions span at most cdiv(W - 1, bs) + 1 blocks)."""
+    @property
+    def recent(self) -> Optional[int]:
+        """How many most recent positions a query attends to (itself included)."""
+        return None if self.window is None else self.window - self.sinks
+
+    def max_blocks_held(self, num_tokens: int, block_size: int, step_tokens: int = 1) -> int:
+        """The most pool blocks a sequence of num_tokens holds in such a group, computing up to
+        step_tokens a step: all of its blocks, or a window's and the step's (the R recent
+        positions of the step's first query through its last, R + step - 1 positions, span at
+        most cdiv(R + step - 2, bs) + 1 blocks), and the sinks' blocks."""
         n = num_blocks_for(num_tokens, block_size)
-        return n if self.window is None else min(n, num_blocks_for(self.window - 1, block_size) + 1)
+        if self.recent is None:
+            return n
+        span = num_blocks_for(self.recent + step_tokens - 2, block_size) + 1
+        return min(n, num_blocks_for(self.sinks, block_size) + span)
 
 
 class CacheGroup:
@@ -116,13 +128,24 @@ class CacheGroup:
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Give back blocks attention will never read again; full attention reads them all."""
 
-    def max_blocks_held(self, num_tokens: int) -> int:
+    def max_blocks_held(self, num_tokens: int, step_tokens: int = 1) -> int:
         """The most pool blocks one sequence of num_tokens holds in this group."""
-        return self.spec.max_blocks_held(num_tokens, self.block_size)
+        return self.spec.max_blocks_held(num_tokens, self.block_size, step_tokens)
 
     def needed_from(self, num_tokens: int) -> int:
-        """The first table entry the next query (at position num_tokens) reads."""
+        """The first table entry of the recent positions the next query (at position num_tokens)
+        reads."""
         return 0
+
+    @property
+    def num_head_blocks(self) -> int:
+        """Leading table entries every query reads, wherever it is (the sinks' blocks)."""
+        return 0
+
+    def needed(self, num_tokens: int, end: int) -> list[int]:
+        """The table entries below `end` that the query at position num_tokens reads."""
+        head = min(self.num_head_blocks, end)
+        return list(range(head)) + list(range(max(head, self.needed_from(num_tokens)), end))
 
     def set_table(self, request_id: str, blocks: list[int]) -> None:
         """A table that comes back whole (swap in); the runner is sent all of it."""
@@ -171,9 +194,29 @@ class SlidingWindowGroup(CacheGroup):
         super().__init__(index, spec, pool, block_size)
         assert spec.window is not None and spec.window >= 1
         self.window = spec.window
+        self._skipped_to: dict[str, int] = {}  # per request: entries before this are given back already
+
+    def set_table(self, request_id: str, blocks: list[int]) -> None:
+        super().set_table(request_id, blocks)
+        self._skipped_to.pop(request_id, None)
+
+    def pop(self, request_id: str) -> list[int]:
+        self._skipped_to.pop(request_id, None)
+        return super().pop(request_id)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        super().trim(request_id, num_tokens)
+        if request_id in self._skipped_to:
+            self._skipped_to[request_id] = min(self._skipped_to[request_id], len(self.table(request_id)))
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        super().fork(parent_id, child_id)
+        if parent_id in self._skipped_to:
+            self._skipped_to[child_id] = self._skipped_to[parent_id]
 
     def needed_from(self, num_tokens: int) -> int:
-        return max(num_tokens - self.window + 1, 0) // self.block_size
+        assert self.spec.recent is not None
+        return max(num_tokens - self.spec.recent + 1, 0) // self.block_size
 
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         table = self.tables.get(request_id)
@@ -181,18 +224,34 @@ class SlidingWindowGroup(CacheGroup):
             return
         null = self.pool.null_block_id
         assert null is not None
-        first = min(self.needed_from(num_computed), len(table))
-        skipped = [b for b in table[:first] if b != null]
+        end = min(self.needed_from(num_computed), len(table))
+        skip = range(max(self.num_head_blocks, self._skipped_to.get(request_id, 0)), end)
+        self._skipped_to[request_id] = max(end, self._skipped_to.get(request_id, 0))
+        skipped = [table[i] for i in skip if table[i] != null]
         if not skipped:
             return
         self.pool.release(reversed(skipped))
-        for i in range(first):
+        for i in skip:
             if table[i] != null:
                 table[i] = null
                 self._mark(request_id, i)
 
 
-def groups_of(layer_kinds: Sequence[str], window: Optional[int]) -> tuple[CacheGroupSpec, ...]:
+class SinkWindowGroup(SlidingWindowGroup):
+    """StreamingLLM: a query attends to the first S positions (the attention sinks) and its last
+    W - S, so the blocks of the first S positions stay and those between them and the recent
+    positions go back:
+
+        S = 4, W = 12, block size 4, next query at position 21: sinks 0..3, recent 14..21
+        table  [ 7 | 3 | 9 | 12 | 5 | 8 ]  ->  [ 7 | null | null | 12 | 5 | 8 ]
+    """
+
+    @property
+    def num_head_blocks(self) -> int:
+        return num_blocks_for(self.spec.sinks, self.block_size)
+
+
+def groups_of(layer_kinds: Sequence[str], window: Optional[int], sinks: int = 0) -> tuple[CacheGroupSpec, ...]:
     """A model's layers grouped by how they attend, each kind cut into groups of g layers, g the
     largest size that divides every kind's count (groups must be equally large: tensor j holds the
     j-th layer of every group):
@@ -204,7 +263,7 @@ def groups_of(layer_kinds: Sequence[str], window: Optional[int]) -> tuple[CacheG
     for i, kind in enumerate(layer_kinds):
         by_kind.setdefault(kind, []).append(i)
     size = math.gcd(*(len(v) for v in by_kind.values()))
-    return tuple(CacheGroupSpec(kind, tuple(layers[j:j + size]), window if kind == "sliding" else None)
+    return tuple(CacheGroupSpec(kind, tuple(layers[j:j + size]), *((window, sinks) if kind == "sliding" else (None, 0)))
                  for kind, layers in by_kind.items() for j in range(0, len(layers), size))
 
 
@@ -231,4 +290,6 @@ def make_group(index: int, spec: CacheGroupSpec, pool: BlockPool, block_size: in
     kinds: dict[str, type[CacheGroup]] = {"full": FullAttentionGroup, "sliding": SlidingWindowGroup}
     if spec.kind not in kinds:
         raise ValueError(f"unknown cache group kind {spec.kind!r}; known: {sorted(kinds)}")
+    if spec.kind == "sliding" and spec.sinks:
+        return SinkWindowGroup(index, spec, pool, block_size)
     return kinds[spec.kind](index, spec, pool, block_size)

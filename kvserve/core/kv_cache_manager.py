@@ -41,8 +41,9 @@ class BlockCopies:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0, namespace: Sequence[object] = (),
-                 groups: Sequence[CacheGroupSpec] = (CacheGroupSpec("full", ()),)) -> None:
+                 groups: Sequence[CacheGroupSpec] = (CacheGroupSpec("full", ()),), step_tokens: int = 1) -> None:
         self.block_size = block_size
+        self.step_tokens = step_tokens  # the most tokens of one sequence computed in a step
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, False, null_block=False) if num_cpu_blocks > 0 else None
@@ -75,6 +76,16 @@ class KVCacheManager:
     def num_reserved_slots(self, request_id: str) -> int:
         return self.num_held_blocks(request_id) * self.block_size
 
+    def num_used_slots(self, request_id: str, num_computed: int) -> int:
+        """Slots of the request's held blocks that hold a computed token, over all groups."""
+        bs, null = self.block_size, self.null_block
+        return sum(min(bs, num_computed - i * bs) for g in self.groups
+                   for i, b in enumerate(g.table(request_id)) if b != null and num_computed > i * bs)
+
+    def group_held_blocks(self) -> list[int]:
+        """Per group, the pool blocks held by requests' tables (shared ones counted once)."""
+        return [len({b for t in g.tables.values() for b in t if b != self.null_block}) for g in self.groups]
+
     @property
     def usage(self) -> float:
         return self.pool.num_used_blocks / self.pool.num_blocks
@@ -84,10 +95,13 @@ class KVCacheManager:
         q = self.num_prefix_query_tokens
         return self.num_prefix_hit_tokens / q if q else 0.0
 
-    def blocks_needed(self, num_tokens: int) -> int:
-        """Pool blocks one sequence of num_tokens holds at most, over all groups (a sliding-window
-        group holds its window's blocks only): what admission and sizing count."""
-        return sum(g.max_blocks_held(num_tokens) for g in self.groups)
+    def blocks_needed(self, num_tokens: int, step_tokens: Optional[int] = None) -> int:
+        """Pool blocks one sequence of num_tokens holds at most, over all groups, computing up to
+        step_tokens a step (default: the most a step computes; 1: between steps, as a decoding
+        sequence holds them): a sliding-window group holds its window's blocks and a step's only.
+        What admission and sizing count."""
+        step = self.step_tokens if step_tokens is None else step_tokens
+        return sum(g.max_blocks_held(num_tokens, step) for g in self.groups)
 
     def find_cached_prefix(self, request: Request, use_cache: bool = True) -> tuple[list[list[int]], int]:
         """The longest cached prefix of the request's tokens, as each group's first table entries,
@@ -102,11 +116,17 @@ class KVCacheManager:
         limit = num_full_blocks(request.num_tokens - 1, self.block_size)
         found = self._cached_runs(request, limit)
         hit = next((n for n in range(limit, 0, -1) if all(
-            all(b is not None for b in found[g.index][g.needed_from(n * self.block_size):n]) for g in self.groups)), 0)
+            all(i < len(found[g.index]) and found[g.index][i] is not None for i in g.needed(n * self.block_size, n))
+            for g in self.groups)), 0)
         tables = []
         for g in self.groups:
-            start = g.needed_from(hit * self.block_size)
-            tables.append([self.null_block] * start + [b for b in found[g.index][start:hit] if b is not None])
+            needed = set(g.needed(hit * self.block_size, hit))
+            table = []
+            for i in range(hit):
+                b = found[g.index][i] if i in needed else self.null_block
+                assert b is not None
+                table.append(b)
+            tables.append(table)
         return tables, hit * self.block_size
 
     def _cached_runs(self, request: Request, limit: int) -> list[list[Optional[int]]]:
@@ -158,8 +178,8 @@ class KVCacheManager:
         """Whether every block the query at position num_tokens reads is still held (a rollback
         past a sliding window's start would read blocks given back)."""
         end = num_blocks_for(num_tokens, self.block_size)
-        return all(b != self.null_block for g in self.groups
-                   for b in g.table(request.request_id)[g.needed_from(num_tokens):end])
+        return all(g.table(request.request_id)[i] != self.null_block for g in self.groups
+                   for i in g.needed(num_tokens, min(end, len(g.table(request.request_id)))))
 
     def remove_skipped_blocks(self, request: Request) -> None:
         """Give back the blocks of sliding-window groups that the request's next query, at

@@ -214,7 +214,7 @@ class Scheduler:
             num_blocks=pool.num_blocks, num_free_blocks=pool.num_free_blocks,
             num_cached_blocks=pool.num_cached_blocks, prefix_hit_rate=self.kv.prefix_hit_rate,
             num_reserved_slots=sum(self.kv.num_reserved_slots(r.request_id) for r in self.running),
-            num_used_slots=self.kv.num_groups * sum(r.num_computed_tokens for r in self.running))
+            num_used_slots=sum(self.kv.num_used_slots(r.request_id, r.num_computed_tokens) for r in self.running))
 
     def check_integrity(self) -> None:
         """Between steps: the pool's invariants, every request in exactly one queue that matches

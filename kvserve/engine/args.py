@@ -55,7 +55,15 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "fp8_e5m2, int8 or int4 (see the README's memory section)")
     g.add_argument("--kv-cache-scales", default=None,
                    help="fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")
-    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="the longest sequence (default: the model's context); longer than the model was "
+                        "trained on is allowed, with a warning")
+    g.add_argument("--sliding-window", type=int, default=None,
+                   help="every layer attends to its last W tokens and frees the blocks behind them; "
+                        "sequences may then grow past --max-model-len")
+    g.add_argument("--attention-sinks", type=int, default=0,
+                   help="with a sliding window: also attend to the first S tokens (StreamingLLM), which "
+                        "count within the window")
     g.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--num-blocks", type=int, default=None)
@@ -93,7 +101,8 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
         policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
-        swap_space=int(a.swap_space), seed=a.seed, attention_backend=a.attention_backend,
+        swap_space=int(a.swap_space), seed=a.seed, sliding_window=a.sliding_window,
+        attention_sinks=a.attention_sinks, attention_backend=a.attention_backend,
         linear_backend=a.linear_backend, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
         speculative_disable_batch_size=a.speculative_disable_batch_size)

@@ -15,7 +15,7 @@ import torch
 
 from kvserve.config import EngineConfig, ModelConfig
 from kvserve.core.block_math import num_blocks_for
-from kvserve.core.cache_group import CacheGroupSpec, groups_of, layer_maps
+from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
 from kvserve.core.scheduler import Scheduler
@@ -25,7 +25,7 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
-from kvserve.kv.sizing import CachePlan, plan_cache
+from kvserve.kv.sizing import CachePlan, cache_groups, is_bounded, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.registry import build_model, load_weights
 from kvserve.core.request import Request, RequestStatus
@@ -37,6 +37,7 @@ from kvserve.spec.ngram import NgramProposer
 from kvserve.core.sampling_params import SamplingParams
 
 logger = logging.getLogger("kvserve")
+UNBOUNDED_LEN = 1 << 62  # the length limit of a sequence whose cache is bounded in every layer
 
 Prompt = Union[str, Sequence[int]]
 
@@ -64,11 +65,8 @@ class EngineStats:
     num_batched_tokens_last_step: int
     num_generated_tokens: int
     num_prompt_tokens_computed: int
-
-
-def cache_groups(config: ModelConfig) -> tuple[CacheGroupSpec, ...]:
-    """The model's layers grouped by how they attend: full attention, or a sliding window."""
-    return groups_of(config.layer_kinds, config.sliding_window)
+    sequence_bytes_max: int = 0  # the most one sequence of max_model_len holds (windowed layers: their window)
+    groups: tuple[tuple[str, Optional[int], int, int], ...] = ()  # per cache group: kind, window, sinks, blocks held
 
 
 class LLMEngine:
@@ -79,8 +77,12 @@ class LLMEngine:
         loaded = loaded or load_weights(config.model, config.tokenizer)
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.max_model_len = min(config.max_model_len or loaded.config.max_position_embeddings,
-                                 loaded.config.max_position_embeddings)
+        trained = loaded.config.max_position_embeddings
+        self.max_model_len = config.max_model_len or trained
+        if self.max_model_len > trained:
+            logger.warning("max_model_len %d is longer than the %d tokens %s was trained on: positions past "
+                           "them were never seen, expect quality to fall there", self.max_model_len, trained,
+                           loaded.config.name)
         dtype = getattr(torch, config.dtype)
         if config.device == "cpu":
             host_memory.keep_freed_memory()
@@ -88,21 +90,28 @@ class LLMEngine:
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         self.model = build_model(loaded, dtype, config.device, self.max_model_len)
         self.model_id = loaded.model_id
-        groups = cache_groups(loaded.config)
+        groups = cache_groups(loaded.config, config.cache, self.max_model_len)
+        # windows the user asked for on every layer: a constant cache, so no limit on length
+        # (the model's own windows keep its context limit, as its authors set it)
+        self.unbounded = config.cache.sliding_window is not None and is_bounded(groups)
+        self.max_seq_len = UNBOUNDED_LEN if self.unbounded else self.max_model_len
         layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
+        sc = config.scheduler
+        step_tokens = min(sc.max_num_batched_tokens, sc.max_prefill_chunk or sc.max_num_batched_tokens)
         self.plan = plan_cache(config.cache, loaded.config, config.kv_cache_dtype, self.max_model_len,
-                               config.scheduler.max_num_seqs, config.device, groups, config.dtype)
+                               config.scheduler.max_num_seqs, config.device, groups, config.dtype, step_tokens)
         self.storage, swap_storage = self._allocate_cache(self.plan, layer_tensor)
         self._set_fp8_scales(self.storage, swap_storage)
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
                                  self.plan.num_cpu_blocks if swap_storage is not None else 0,
                                  namespace=(self.model_id, config.dtype, config.kv_cache_dtype, None),
-                                 groups=groups)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+                                 groups=groups, step_tokens=step_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_seq_len)
         self.beams = BeamSearch(self.scheduler)
         layout = CacheLayout(layer_group, len(groups), tuple(g.window for g in groups), self.plan.block_size,
-                             self.plan.num_blocks, self.max_model_len)
+                             self.plan.num_blocks, self.max_model_len, tuple(g.sinks for g in groups),
+                             tuple(g.kind for g in groups))
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         self.proposer = self._make_proposer(loaded)
@@ -148,7 +157,8 @@ class LLMEngine:
                 spec.speculative_model, device=c.device, dtype=c.dtype, max_model_len=self.max_model_len,
                 block_size=c.cache.block_size, num_blocks=self.plan.num_blocks, max_num_seqs=c.scheduler.max_num_seqs,
                 max_num_batched_tokens=c.scheduler.max_num_batched_tokens, seed=c.seed,
-                attention_backend=c.attention_backend, linear_backend=c.linear_backend)
+                attention_backend=c.attention_backend, linear_backend=c.linear_backend,
+                sliding_window=c.cache.sliding_window, attention_sinks=c.cache.attention_sinks)
             check_same_vocabulary(self, draft)
             draft.outputs.tokenizer = None  # its copies' tokens are never read as text
             return DraftProposer(draft)
@@ -224,11 +234,11 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
-        room = self.max_model_len - (params.max_tokens > 0)  # room for one generated token, if any
+        room = self.max_seq_len - (params.max_tokens > 0)  # room for one generated token, if any
         if len(ids) > room:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
                              f"{self.max_model_len}, so at most {room} fit")
-        longest = min(len(ids) + params.max_tokens, self.max_model_len)
+        longest = min(len(ids) + params.max_tokens, self.max_seq_len)
         needed = self.kv.blocks_needed(longest)
         if needed > self.plan.num_blocks:
             raise ValueError(f"this request can grow to {longest} tokens ({needed} blocks) but the "
@@ -330,7 +340,9 @@ class LLMEngine:
                            plan.kv_format.bytes_per_token(self.model_config, plan.block_size),
                            plan.total_bytes if self.storage is not None else 0,
                            self.num_spec_proposed, self.num_spec_accepted, self.num_steps, self._last_step_tokens, self.num_generated_tokens,
-                           self.num_prompt_tokens_computed)
+                           self.num_prompt_tokens_computed, self.kv.blocks_needed(self.max_model_len, 1) * plan.block_bytes,
+                           tuple((g.spec.kind, g.spec.window, g.spec.sinks, n)
+                                 for g, n in zip(self.kv.groups, self.kv.group_held_blocks())))
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s

@@ -13,6 +13,12 @@ first window that holds it with at least one token before it:
 With a reference format a second engine over the same weights runs the same windows in the same
 steps; each scored row compares the two distributions: KL(reference || test) and whether their
 most likely tokens agree.
+
+`stream` scores a text as one sequence instead (StreamingLLM's evaluation): every token after
+the first, each from everything the cache still holds of the text before it, in segments of a
+fixed number of tokens, with the blocks the sequence holds as it grows. A dense cache must hold
+the whole text (past the model's context it runs positions it never saw); a sliding window, with
+or without attention sinks, holds a constant number of blocks whatever the length.
 """
 
 from __future__ import annotations
@@ -82,7 +88,8 @@ class _Scorer:
         self.nll = self.ref_nll = self.kl = 0.0
         self.agree = 0
 
-    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: Optional[torch.Tensor]) -> None:
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: Optional[torch.Tensor], first: int = 0) -> None:
+        """Rows predicting targets (the first at position `first` of the text)."""
         lp = logits.float().log_softmax(-1)
         self.n += len(targets)
         self.nll -= lp.gather(1, targets.unsqueeze(1)).sum().item()
@@ -123,7 +130,74 @@ def perplexity(engine: Any, tokens: list[int], context: int, stride: int, refere
     return result
 
 
-def _score_window(engine: Any, reference: Any, window: list[int], first: int, end: int, scorer: _Scorer) -> None:
+@dataclass
+class StreamResult:
+    num_tokens: int
+    perplexity: float
+    kv_cache_dtype: str
+    segment: int
+    segments: list[dict[str, Any]]  # per segment: first token, tokens, perplexity, blocks held at its end
+    max_blocks_held: int
+    max_bytes_held: int
+    sliding_window: Optional[int] = None
+    attention_sinks: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class _SegmentScorer(_Scorer):
+    """Sums per segment of `size` target positions (positions 1..size are segment 0)."""
+
+    def __init__(self, size: int) -> None:
+        super().__init__()
+        self.size = size
+        self.segments: dict[int, _Scorer] = {}
+
+    def add(self, logits: torch.Tensor, targets: torch.Tensor, ref: Optional[torch.Tensor], first: int = 0) -> None:
+        super().add(logits, targets, ref, first)
+        i = 0
+        while i < len(targets):
+            seg = (first + i - 1) // self.size
+            end = min(len(targets), (seg + 1) * self.size + 1 - first)
+            self.segments.setdefault(seg, _Scorer()).add(logits[i:end], targets[i:end], None)
+            i = end
+
+
+def stream(engine: Any, tokens: list[int], segment: int = 2000, progress: bool = False) -> StreamResult:
+    """Score every token of `tokens` after the first as one sequence through `engine`'s cache;
+    perplexity per `segment` tokens, and the most blocks the sequence held."""
+    if segment < 1:
+        raise ValueError(f"segment must be >= 1 token, got {segment}")
+    if len(tokens) < 2:
+        raise ValueError(f"a stream needs at least 2 tokens, got {len(tokens)}")
+    scorer = _SegmentScorer(segment)
+    held: list[tuple[int, int]] = []  # per step: the rows scored up to, the blocks the sequence held
+    bar = _bar(len(tokens) - 1, "token") if progress else None
+
+    def on_step(scored_to: int) -> None:
+        held.append((scored_to, engine.kv.num_held_blocks("ppl")))
+        if bar is not None:
+            bar.n = scored_to
+            bar.refresh()
+
+    _score_window(engine, None, tokens, 1, len(tokens), scorer, on_step)
+    if bar is not None:
+        bar.close()
+    segments = []
+    for i in sorted(scorer.segments):
+        s = scorer.segments[i]
+        during = [b for to, b in held if i * segment < to <= (i + 1) * segment] or [0]
+        segments.append({"first": 1 + i * segment, "tokens": s.n, "perplexity": math.exp(s.nll / s.n),
+                         "max_blocks_held": max(during)})
+    cache = engine.config.cache
+    most = max((b for _, b in held), default=0)
+    return StreamResult(scorer.n, math.exp(scorer.nll / scorer.n), engine.plan.kv_format.name, segment, segments,
+                        most, most * engine.plan.block_bytes, cache.sliding_window, cache.attention_sinks)
+
+
+def _score_window(engine: Any, reference: Any, window: list[int], first: int, end: int, scorer: _Scorer,
+                  on_step: Optional[Any] = None) -> None:
     """Rows at positions first - 1 .. end - 2 predict tokens first .. end - 1."""
     engines = [engine] if reference is None else [engine, reference]
     rows: list[list[tuple[int, torch.Tensor]]] = [[] for _ in engines]
@@ -134,14 +208,18 @@ def _score_window(engine: Any, reference: Any, window: list[int], first: int, en
     try:
         while engine.has_unfinished():
             for e in engines:
-                e.step()
+                for out in e.step():
+                    if out.error:  # a text scored in part is no score
+                        raise ValueError(f"scoring stopped at a failed request: {out.error}")
             for chunks in zip(*rows):  # the same step in each engine: the same positions
                 start, logits = chunks[0]
                 assert all(c[0] == start for c in chunks), "the engines scheduled the window differently"
                 lo, hi = max(start, first - 1), min(start + len(logits), end - 1)
                 if lo < hi:
                     pick = [c[1][lo - start:hi - start] for c in chunks]
-                    scorer.add(pick[0], targets[lo + 1:hi + 1], pick[1] if reference is not None else None)
+                    scorer.add(pick[0], targets[lo + 1:hi + 1], pick[1] if reference is not None else None, lo + 1)
+                if on_step is not None:
+                    on_step(start + len(chunks[0][1]))
             for r in rows:
                 r.clear()
     finally:
@@ -150,9 +228,9 @@ def _score_window(engine: Any, reference: Any, window: list[int], first: int, en
             e.abort("ppl")
 
 
-def _bar(total: int):  # type: ignore[no-untyped-def]
+def _bar(total: int, unit: str = "window"):  # type: ignore[no-untyped-def]
     try:
         from tqdm import tqdm
-        return tqdm(total=total, desc="perplexity", unit="window", file=sys.stderr)
+        return tqdm(total=total, desc="perplexity", unit=unit, file=sys.stderr)
     except ImportError:
         return None

@@ -58,6 +58,7 @@ def calibrate_fp8(model: LlamaForCausalLM, tokenizer: Optional[Tokenizer], fmt: 
     backend = _RecordingBackend(c.num_hidden_layers, c.num_key_value_heads, model.model.embed_tokens.weight.dtype)
     install(model, backend, [0] * c.num_hidden_layers)
     meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, len(ids), len(ids))]), None)
+    model.ensure_rope(len(ids))
     model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), ForwardContext(None, [meta]))
     limit = torch.finfo(FP8_DTYPES[fmt]).max
     return (backend.amax * HEADROOM / limit).clamp_min(1e-6)

@@ -13,7 +13,7 @@ from typing import Sequence
 
 from kvserve.config import CacheConfig, ModelConfig
 from kvserve.core.block_math import blocks_in_budget
-from kvserve.core.cache_group import CacheGroupSpec
+from kvserve.core.cache_group import CacheGroupSpec, groups_of
 from kvserve.kv.formats import KVFormat, check_format, kv_format
 
 DEFAULT_CPU_BUDGET = 4 << 30  # like vLLM's CPU backend default KV space
@@ -38,6 +38,36 @@ class CachePlan:
                 + self.fixed_bytes)
 
 
+def cache_groups(model: ModelConfig, cache: CacheConfig, max_model_len: int) -> tuple[CacheGroupSpec, ...]:
+    """The model's layers grouped by how they attend: as its config says (full attention, or its
+    own sliding window), or, with `cache.sliding_window`, every layer windowed (and with
+    `cache.attention_sinks`, keeping the first tokens too). Impossible combinations are a
+    ValueError naming the problem."""
+    kinds, window, sinks = model.layer_kinds, model.sliding_window, cache.attention_sinks
+    if cache.sliding_window is not None:
+        if "sliding" in kinds and cache.sliding_window != model.sliding_window:
+            raise ValueError(f"{model.name}'s config fixes which layers slide and their window "
+                             f"({model.sliding_window} tokens); --sliding-window {cache.sliding_window} "
+                             "cannot change it (it windows models whose layers all attend to every token)")
+        if cache.sliding_window > max_model_len:
+            raise ValueError(f"sliding window {cache.sliding_window} is larger than the context "
+                             f"({max_model_len} tokens): positions in the cache would pass what the model knows")
+        kinds, window = ("sliding",) * model.num_hidden_layers, cache.sliding_window
+    if sinks:
+        if "sliding" not in kinds:
+            raise ValueError("--attention-sinks needs a sliding window to count within: "
+                             "give --sliding-window W (the model has none of its own)")
+        assert window is not None
+        if sinks >= window:
+            raise ValueError(f"attention sinks ({sinks}) must be fewer than the sliding window ({window})")
+    return groups_of(kinds, window, sinks)
+
+
+def is_bounded(groups: Sequence[CacheGroupSpec]) -> bool:
+    """Whether every group holds a bounded number of blocks per sequence (no full attention)."""
+    return all(g.window is not None for g in groups)
+
+
 def free_device_memory(device: str) -> int:
     import torch
     if device.startswith("cuda"):
@@ -52,7 +82,7 @@ def free_device_memory(device: str) -> int:
 
 def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_model_len: int,
                max_num_seqs: int, device: str, groups: Sequence[CacheGroupSpec] = (),
-               model_dtype: str = "float32") -> CachePlan:
+               model_dtype: str = "float32", step_tokens: int = 1) -> CachePlan:
     """num_blocks is the pool's; the cache holds one more (the null block), and a budget pays
     for it too, and for what the format keeps besides blocks (int4's residual slots, one per
     sequence; fp8's scales)."""
@@ -81,7 +111,9 @@ def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_
             raise ValueError(f"a KV cache budget of {budget} bytes holds no block besides the null "
                              f"block ({block_bytes} bytes each); raise --kv-cache-memory")
         # more blocks than every seat filled to the context length can never be used at once
+        # (a window group holds a step's tokens beyond its window: the step's tokens are shared)
         per_seq = sum(g.max_blocks_held(max_model_len, block_size) for g in groups)
-        num_blocks = min(num_blocks, max_num_seqs * per_seq + 1)
+        step_extra = sum(g.max_blocks_held(max_model_len, block_size, step_tokens) for g in groups) - per_seq
+        num_blocks = min(num_blocks, max_num_seqs * per_seq + step_extra + 1)
     return CachePlan(block_size, num_blocks, block_bytes, blocks_in_budget(cache.swap_space_bytes, block_bytes),
                      fmt, residual_slots, residual_slot_bytes, fmt.fixed_bytes(model))

@@ -101,14 +101,15 @@ class KVStorage(ABC):
         sequence can attend to its fresh K/V without reading the cache."""
         return False
 
-    def chunk_view(self, start: int, q_len: int, device: torch.device, window: Optional[int] = None) -> ChunkView:
+    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
         """Once per step and chunk: which version of each K/V the chunk's queries see. A query
         sees the cache as it is right after its own K/V was written, whichever step wrote the
         rest, so a prompt gets the same numbers prefilled whole, in chunks, after a prefix-cache
-        hit or token by token. Here: the cache's K/V of every earlier position (within the
-        window, if any) and its own."""
-        from kvserve.attention.torch_backend import window_causal_mask
-        return ChunkView(window_causal_mask(start, q_len, start + q_len, window, device))
+        hit or token by token. Here: the cache's K/V of every earlier position and its own.
+        (Windows and sinks narrow this by key position, in the backend.)"""
+        q_pos = torch.arange(start, start + q_len, device=device).unsqueeze(1)
+        k_pos = torch.arange(start + q_len, device=device)
+        return ChunkView(k_pos.unsqueeze(0) <= q_pos, key_positions=k_pos)
 
     def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,8 +121,15 @@ class KVStorage(ABC):
 
 @dataclass
 class ChunkView:
+    """What a chunk's queries attend to: columns of keys (from chunk_context, or the chunk's
+    own fresh K/V), each at a position."""
+
     mask: torch.Tensor  # [q_len, S] bool: True where a query attends to key i
     from_cache: bool = True  # keys from chunk_context; False: the chunk's own fresh K/V
+    key_positions: Optional[torch.Tensor] = None  # [S] the position of each key column
+    read_from: int = 0  # the first table entry chunk_context reads (the ones before: outside every window)
+    num_sinks: int = 0  # columns of sink keys (positions 0..num_sinks-1) put before the context
+    sink_columns: Optional[torch.Tensor] = None  # [S] bool: keys scored from the query's rank (sinks)
 
 
 class BlockTensorStorage(KVStorage):
@@ -410,14 +418,13 @@ class Int4KVStorage(BlockTensorStorage):
         shape = (*block_tables.shape[:-1], -1, *self.row_shape[1:])
         return k[:, :num_slots].reshape(shape), v[:, :num_slots].reshape(shape)
 
-    def chunk_view(self, start: int, q_len: int, device: torch.device, window: Optional[int] = None) -> ChunkView:
+    def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
         """A query sees the cache right after its own write: blocks filled by then quantized, and
         its own block, unless it just filled it, as written. The keys are the cache's context
         followed by the exact tail from the first query's block start ([S0 + tail]):
 
             query p in block b, p not b's last slot: cache keys before b, tail keys b_start..p
-            query p that fills its block:            cache keys 0..p
-            (with a window, only keys after p - window)"""
+            query p that fills its block:            cache keys 0..p"""
         bs, context_len = self.block_size, start + q_len
         tail_start = start - start % bs
         p = torch.arange(start, context_len, device=device).unsqueeze(1)
@@ -427,10 +434,7 @@ class Int4KVStorage(BlockTensorStorage):
         tail_pos = torch.arange(tail_start, context_len, device=device).unsqueeze(0)
         cache_mask = torch.where(fills, cache_pos <= p, cache_pos < own_block)
         tail_mask = ~fills & (tail_pos >= own_block) & (tail_pos <= p)
-        if window is not None:
-            cache_mask &= cache_pos > p - window
-            tail_mask &= tail_pos > p - window
-        return ChunkView(torch.cat([cache_mask, tail_mask], dim=1))
+        return ChunkView(torch.cat([cache_mask, tail_mask], dim=1), key_positions=torch.cat([cache_pos, tail_pos], 1)[0])
 
     def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,6 +119,13 @@ class GemmaForCausalLM(nn.Module):
             local = dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta, rope_scaling=None)
         self.local_rope = RotaryEmbedding(local, max_len, weight.device, weight.dtype)
 
+    def ensure_rope(self, num_positions: int) -> None:
+        if self.rope is None or self.rope.max_len < num_positions:
+            self.init_rope(max(num_positions, 2 * (self.rope.max_len if self.rope else 0)))
+
+    def rope_for(self, kind: str) -> Optional[RotaryEmbedding]:
+        return self.local_rope if kind == "sliding" else self.rope
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""

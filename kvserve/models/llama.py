@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.attention.backend import rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear
@@ -63,17 +64,25 @@ class RotaryEmbedding:
     """cos/sin tables [max_len, head_dim/2], computed in fp32 as Hugging Face does."""
 
     def __init__(self, config: ModelConfig, max_len: int, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(config)
-        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        self.inv_freq = rope_inv_freq(config)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), self.inv_freq)
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
 
+    @property
+    def max_len(self) -> int:
+        return self.cos.shape[0]
+
+    def rotation(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim/2] of turning each row by delta [T] positions (in fp32; the
+        tables' dtype): R(delta) applied to a vector rotated at p gives it rotated at p + delta."""
+        freqs = torch.outer(delta.float().cpu(), self.inv_freq)
+        return (freqs.cos().to(device=self.cos.device, dtype=self.cos.dtype),
+                freqs.sin().to(device=self.cos.device, dtype=self.cos.dtype))
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by position; halves rotate together (HF layout)."""
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotate_halves(x, self.cos[positions], self.sin[positions])
 
 
 class LlamaAttention(nn.Module):
@@ -143,6 +152,15 @@ class LlamaForCausalLM(nn.Module):
     def init_rope(self, max_len: int) -> None:
         weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(self.config, max_len, weight.device, weight.dtype)
+
+    def ensure_rope(self, num_positions: int) -> None:
+        """RoPE tables covering positions [0, num_positions) (a stream grows past any table)."""
+        if self.rope is None or self.rope.max_len < num_positions:
+            self.init_rope(max(num_positions, 2 * (self.rope.max_len if self.rope else 0)))
+
+    def rope_for(self, kind: str) -> Optional[RotaryEmbedding]:
+        """The RoPE of the layers of this kind ("full" or "sliding"); None without RoPE."""
+        return self.rope
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -30,6 +30,12 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
     "mistral-7b": ModelConfig(32000, 4096, 14336, 32, 32, 8, 128, 32768, name="mistral-7b"),
     "qwen2-7b": ModelConfig(152064, 3584, 18944, 28, 28, 4, 128, 32768, name="qwen2-7b"),
     "falcon-7b-mqa": ModelConfig(65024, 4544, 18176, 32, 71, 1, 64, 2048, name="falcon-7b-mqa"),
+    # hybrids: local (sliding-window) layers between global ones
+    "gemma-2-9b": ModelConfig(256000, 3584, 14336, 42, 16, 8, 256, 8192, name="gemma-2-9b", architecture="gemma2",
+                              layer_types=("sliding", "full") * 21, sliding_window=4096),
+    "gemma-3-1b": ModelConfig(262144, 1152, 6912, 26, 4, 1, 256, 32768, name="gemma-3-1b", architecture="gemma3",
+                              layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
+                              sliding_window=512),
 }
 
 

@@ -51,6 +51,11 @@ class CacheLayout:
     block_size: int
     null_block_id: int
     max_model_len: int
+    group_sinks: tuple[int, ...] = ()  # each group's attention sinks (empty: none anywhere)
+    group_kinds: tuple[str, ...] = ()  # each group's kind ("full", "sliding"): which RoPE its layers use
+
+    def sinks(self, group: int) -> int:
+        return self.group_sinks[group] if self.group_sinks else 0
 
 
 class ModelRunner:
@@ -68,6 +73,10 @@ class ModelRunner:
                 raise ValueError("attention backend 'cpu-kernel' cannot soft-cap attention scores (this model's "
                                  "attn_logit_softcapping); use auto or torch")
             attention_backend = "torch"
+        for g in range(layout.num_groups):
+            if layout.sinks(g) and model.rope_for(layout.group_kinds[g]) is None:
+                raise ValueError("attention sinks take positions within the cache, which needs RoPE "
+                                 f"(keys turned by their rank); {model.config.name} has none")
         self.backend = attention.select(attention_backend, storage, self.device, layout.block_size, dtype)
         install(model, self.backend, layout.layer_group)
         self.tables = [BlockTables(layout.null_block_id, layout.block_size,
@@ -137,9 +146,10 @@ class ModelRunner:
             positions += range(s.start_position, s.context_len)
         pos = torch.tensor(positions, dtype=torch.long)
         counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
+        self.model.ensure_rope(max(s.context_len for s in ordered))
         self.storage.begin_step()
-        metadata = [self.backend.build_metadata(self._group_metadata(t, ordered, len(decodes), pos, counts, w),
-                                                self.storage) for t, w in zip(self.tables, self.layout.group_windows)]
+        metadata = [self.backend.build_metadata(self._group_metadata(g, ordered, len(decodes), pos, counts),
+                                                self.storage) for g in range(self.layout.num_groups)]
         return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
 
     def _as_decode(self, s: ScheduledSequence) -> bool:
@@ -153,15 +163,17 @@ class ModelRunner:
         assert self.storage is not None
         return bool(s.spec_token_ids) and len(s.input_token_ids) == 1 and self.storage.kind != "int4"
 
-    def _group_metadata(self, table: BlockTables, ordered: list[ScheduledSequence], num_decodes: int,
-                        pos: torch.Tensor, counts: torch.Tensor, window: Optional[int]) -> AttentionMetadata:
+    def _group_metadata(self, group: int, ordered: list[ScheduledSequence], num_decodes: int,
+                        pos: torch.Tensor, counts: torch.Tensor) -> AttentionMetadata:
         assert self.storage is not None
+        table = self.tables[group]
         rows = table.row_index([s.request_id for s in ordered])
         token_rows = torch.repeat_interleave(rows, counts)
         slots = table.slots(token_rows, pos)
         num_decode_rows = int(counts[:num_decodes].sum())
         meta = AttentionMetadata(slot_mapping=slots, kv_write_plan=self.storage.plan_writes(slots),
-                                 num_decode_tokens=num_decode_rows, sliding_window=window)
+                                 num_decode_tokens=num_decode_rows, sliding_window=self.layout.group_windows[group])
+        self._sink_metadata(meta, group, pos)
         if num_decodes:  # one query row per token: its context ends at its own position
             ctx = pos[:num_decode_rows] + 1
             meta.decode_max_context = int(ctx.max())
@@ -174,6 +186,19 @@ class ModelRunner:
             q_start += s.num_tokens
         return meta
 
+    def _sink_metadata(self, meta: AttentionMetadata, group: int, pos: torch.Tensor) -> None:
+        """A sink is scored at its rank from the query's rank in the cache, min(p, W - 1): the
+        query at position p is turned back by p - rank (where any is)."""
+        meta.sinks = self.layout.sinks(group)
+        if not meta.sinks:
+            return
+        assert meta.sliding_window is not None
+        back = (pos - meta.sliding_window + 1).clamp(min=0)
+        if bool(back.any()):
+            rope = self.model.rope_for(self.layout.group_kinds[group])
+            assert rope is not None
+            meta.sink_rotation = rope.rotation(-back)
+
     def _prepare_recompute(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
         """No cache: each sequence's whole context is fed again from position 0."""
         ids: list[int] = []
@@ -185,10 +210,14 @@ class ModelRunner:
             meta.prefills.append(PrefillSpan(len(ids), len(tokens), len(tokens)))
             ids += tokens
             positions += range(len(tokens))
-        metadata = [self.backend.build_metadata(AttentionMetadata(**{**vars(meta), "sliding_window": w}), None)
-                    for w in self.layout.group_windows]
-        return self._model_input(ids, torch.tensor(positions, dtype=torch.long),
-                                 ForwardContext(None, metadata), list(seqs))
+        pos = torch.tensor(positions, dtype=torch.long)
+        self.model.ensure_rope(max(positions) + 1)
+        metadata = []
+        for g, w in enumerate(self.layout.group_windows):
+            group_meta = AttentionMetadata(**{**vars(meta), "sliding_window": w})
+            self._sink_metadata(group_meta, g, pos)
+            metadata.append(self.backend.build_metadata(group_meta, None))
+        return self._model_input(ids, pos, ForwardContext(None, metadata), list(seqs))
 
     def _model_input(self, ids: list[int], pos: torch.Tensor, ctx: ForwardContext,
                      ordered: list[ScheduledSequence]) -> ModelInput:

@@ -26,6 +26,13 @@ class _EngineCollector(Collector):
         yield _gauge("kvserve_kv_cache_bytes", "Bytes the KV cache holds (blocks, null block, residual slots, scales)",
                      e.kv_cache_bytes)
         yield _gauge("kvserve_kv_cache_block_bytes", "Bytes of one KV block", e.block_bytes)
+        yield _gauge("kvserve_kv_cache_sequence_bytes_max", "The most KV bytes one sequence of max_model_len "
+                     "holds (a sliding-window layer holds its window)", e.sequence_bytes_max)
+        groups = GaugeMetricFamily("kvserve_kv_cache_group_blocks", "KV blocks held by requests, per cache group",
+                                   labels=["group", "kind", "window", "sinks"])
+        for i, (kind, window, sinks, held) in enumerate(e.groups):
+            groups.add_metric([str(i), kind, str(window or 0), str(sinks)], held)
+        yield groups
         yield _gauge("kvserve_spec_proposed_tokens", "Speculative tokens verified since start", e.num_spec_proposed)
         yield _gauge("kvserve_spec_accepted_tokens", "Speculative tokens accepted since start", e.num_spec_accepted)
         yield _gauge("kvserve_spec_acceptance_rate", "Accepted / verified speculative tokens",

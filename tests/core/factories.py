@@ -24,7 +24,9 @@ def make_request(tokens, max_tokens: int = 8, salt: Optional[str] = None, priori
                    output_token_ids=list(output))
 
 
-HYBRID = (CacheGroupSpec("sliding", (0,), window=6), CacheGroupSpec("full", (1,)))  # a window group and a full one
+# a window group, a full one, and a window with attention sinks
+HYBRID = (CacheGroupSpec("sliding", (0,), window=6), CacheGroupSpec("full", (1,)),
+          CacheGroupSpec("sliding", (2,), window=10, sinks=3))
 
 
 def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True,

@@ -52,7 +52,7 @@ def test_layers_split_over_two_cache_groups_give_the_same_output(tiny_llama, mon
     one = make_engine(tiny_llama, block_size=4, num_blocks=64)
     ref_out, ref_logits = run_collecting_logits(one, prompts, params)
     monkeypatch.setattr(llm_engine, "cache_groups",
-                        lambda config: (CacheGroupSpec("full", (0, 2)), CacheGroupSpec("full", (1, 3))))
+                        lambda config, cache, max_len: (CacheGroupSpec("full", (0, 2)), CacheGroupSpec("full", (1, 3))))
     two = make_engine(tiny_llama, block_size=4, num_blocks=128)
     assert two.kv.num_groups == 2 and len(two.storage.k) == 2  # tensor j holds layer j of each group
     assert two.plan.block_bytes * 2 == one.plan.block_bytes
