@@ -191,6 +191,15 @@ class KVCacheManager:
         self.num_prefix_query_tokens += num_query_tokens
         self.num_prefix_hit_tokens += num_hit_tokens
 
+    def forget_own_hashes(self, request: Request) -> None:
+        """Its blocks no other request holds are no longer offered to prefix caching (a failed
+        step may have left them half written)."""
+        null = self.null_block
+        for g in self.groups:
+            for b in g.table(request.request_id):
+                if b != null and self.pool.blocks[b].ref_cnt == 1:
+                    self.pool.forget_hash(b)
+
     def free(self, request: Request) -> None:
         """Return the request's blocks, tail first; hashed ones stay cached until evicted."""
         rid = request.request_id

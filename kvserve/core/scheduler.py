@@ -73,6 +73,8 @@ class Scheduler:
         req.status = status
         req.finish_time = time.monotonic()
         req.num_kv_blocks = self.kv.num_held_blocks(request_id)
+        if status == RequestStatus.FINISHED_ERROR:
+            self.kv.forget_own_hashes(req)
         self.kv.free(req)
         self._order.pop(request_id, None)
         self._finished_ids.append(request_id)

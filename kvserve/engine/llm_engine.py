@@ -234,6 +234,10 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        width = max(params.n, params.beam_width or 0)
+        if width > self.config.scheduler.max_num_seqs:
+            raise ValueError(f"n: this request runs {width} sequences at once, more than the "
+                             f"{self.config.scheduler.max_num_seqs} the engine runs (--max-num-seqs)")
         room = self.max_seq_len - (params.max_tokens > 0)  # room for one generated token, if any
         if len(ids) > room:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
@@ -265,7 +269,8 @@ class LLMEngine:
             for rid in sched.finished_request_ids:
                 self._spec_window.pop(rid, None)
                 self._spec_paused.pop(rid, None)
-        result = self.runner.execute(sched)
+        result, failed = self.runner.execute_isolated(sched)
+        failed_groups = [g for rid, message in failed.items() if (g := self._fail(rid, message)) is not None]
         for s in sched.scheduled:
             if s.spec_token_ids and s.request_id in result.sampled_token_ids:
                 accepted = len(result.sampled_token_ids[s.request_id]) - 1
@@ -285,7 +290,7 @@ class LLMEngine:
         self.num_prompt_tokens_computed += sum(
             s.num_tokens for s in sched.scheduled if s.start_position < len(s.prompt_token_ids))
         finished_ids = set(sched.finished_request_ids)
-        touched_ids = []
+        touched_ids = list(failed_groups)
         for req in touched:
             self._record_footprint(req)
             if self.outputs.process(req) is not None and not req.is_finished:
@@ -298,6 +303,22 @@ class LLMEngine:
         self._maybe_log()
         self._propose()
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
+
+    def _fail(self, request_id: str, message: str) -> Optional[str]:
+        """A request whose step failed: its whole group ends with the error and frees its
+        blocks; the others go on. Returns the group's id."""
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return None
+        logger.warning("request %s failed: %s", req.group_id, message)
+        for member in self.scheduler.finish_group(req.group_id, RequestStatus.FINISHED_ERROR):
+            member.error = message
+            self.outputs.finish_sample(member, "error")
+        self.beams.forget(req.group_id)
+        state = self.outputs.states.get(req.group_id)
+        if state is not None:
+            state.error = state.error or message
+        return req.group_id
 
     def _prompt_rows(self, seqs: Sequence[ScheduledSequence], result: ModelRunnerOutput) -> None:
         """Prompt chunks that asked for their rows: each row at position p scores prompt token

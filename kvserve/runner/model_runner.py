@@ -87,14 +87,46 @@ class ModelRunner:
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
         # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
+        # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
+        # ("sample"): fault injection for tests
+        self.fault_hook: Optional[Callable[[str, list[ScheduledSequence]], None]] = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
         inp = self.prepare_step(out)
         if inp is None:
             return ModelRunnerOutput({})
+        if self.fault_hook is not None:
+            self.fault_hook("forward", inp.seqs)
         hidden = self.model(inp.input_ids, inp.positions, inp.ctx)
         return self._sample(hidden, inp)
+
+    def execute_isolated(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
+        """execute, and where the step raises, run each sequence alone so that a failure costs
+        only its own request: (what the others produced, the error of each one that failed). The
+        retries redo exactly what the step did (table updates and K/V writes land in the same
+        places with the same values; each request's random state goes back to where the step
+        found it), so the others' outputs are what the whole step would have given. A failure
+        that is no sequence's own (moving blocks) is raised."""
+        saved = self.sampler.save([s.request_id for s in out.scheduled])
+        self.apply_copies(out.copies)  # blocks move once; a failure here is the cache's, not a request's
+        try:
+            return self.execute(SchedulerOutput(out.scheduled, BlockCopies([], [], []), out.finished_request_ids)), {}
+        except Exception as e:  # noqa: BLE001 - any failure is bounded to the requests that cause it
+            if len(out.scheduled) == 1:
+                self.sampler.restore(saved)
+                return ModelRunnerOutput({}), {out.scheduled[0].request_id: _failure(e)}
+        self.sampler.restore(saved)
+        merged, errors = ModelRunnerOutput({}), {}
+        for s in out.scheduled:
+            try:
+                result = self.execute(SchedulerOutput([s], BlockCopies([], [], []), []))
+            except Exception as e:  # noqa: BLE001
+                errors[s.request_id] = _failure(e)
+                continue
+            for name in ("sampled_token_ids", "logprobs", "forked_token_ids", "forked_logprobs", "logits"):
+                getattr(merged, name).update(getattr(result, name))
+        return merged, errors
 
     def prepare_step(self, out: SchedulerOutput) -> Optional[ModelInput]:
         """The step's bookkeeping and inputs (no block copies, no model): forget finished
@@ -244,6 +276,8 @@ class ModelRunner:
         plain = [s for s, _, _ in wanted if s.num_samples and not s.spec_token_ids]
         if plain:
             self._sample_plain(plain, torch.stack([per_seq[s.request_id][-1] for s in plain]), result)
+        if self.fault_hook is not None:
+            self.fault_hook("sample", inp.seqs)
         for s, _, n in wanted:
             if s.num_samples and s.spec_token_ids:
                 self._verify(s, per_seq[s.request_id][-(len(s.spec_token_ids) + 1):], result)
@@ -271,3 +305,7 @@ class ModelRunner:
         result.sampled_token_ids[seq.request_id] = tokens
         if logprobs is not None:
             result.logprobs[seq.request_id] = logprobs
+
+
+def _failure(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -110,6 +110,19 @@ class Sampler:
             self.generators.pop(rid, None)
             self.histories.pop(rid, None)
 
+    def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[torch.Tensor]], int]:
+        """The random state of these requests, to draw their step again (`restore`)."""
+        states = {rid: (g.get_state() if (g := self.generators.get(rid)) is not None else None) for rid in request_ids}
+        return states, self._num_unseeded
+
+    def restore(self, saved: tuple[dict[str, Optional[torch.Tensor]], int]) -> None:
+        states, self._num_unseeded = saved
+        for rid, state in states.items():
+            if state is None:
+                self.generators.pop(rid, None)
+            else:
+                self.generators[rid].set_state(state)
+
     def _generator(self, seq: ScheduledSequence, device: torch.device) -> torch.Generator:
         g = self.generators.get(seq.request_id)
         if g is None:

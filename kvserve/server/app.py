@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
 from kvserve.engine.outputs import RequestOutput
@@ -28,6 +29,7 @@ from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("kvserve.server")
+END_STREAMS_BEFORE_S = 0.5  # how long before the grace period ends open streams get their last event
 
 
 class APIError(Exception):
@@ -74,27 +76,71 @@ def _install_guards(app: FastAPI, api_key: Optional[str], max_body_bytes: int, m
     async def invalid(_: Request, e: RequestValidationError) -> JSONResponse:
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
-        param = ".".join(loc) or None
         kind = err.get("type", "")
+        param = None if kind == "json_invalid" else ".".join(loc) or None  # (json_invalid's loc is an offset)
         msg = "the request body is not valid JSON" if kind == "json_invalid" else \
             f"{param or 'body'}: {err.get('msg', 'invalid value')}"
         metrics.reject("400")
         return error_response(APIError(400, msg, param))
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next: Any) -> Response:
-        if request.url.path.startswith("/v1") and api_key is not None:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                metrics.reject("401")
-                return error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
-                                               kind="authentication_error", code="invalid_api_key"))
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            metrics.reject("413")
-            return error_response(APIError(413, f"request body larger than {max_body_bytes} bytes"))
-        return await call_next(request)
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        metrics.reject(str(e.status_code))
+        return error_response(APIError(e.status_code, str(e.detail), kind="invalid_request_error"
+                                       if e.status_code < 500 else "server_error"))
+
+    app.add_middleware(_Guard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+
+
+class _Guard:
+    """API key and body size, as plain ASGI (an @app.middleware("http") wrapper hides client
+    disconnects from the routes). The body is counted as it arrives, so a chunked body is held
+    to the limit as one with a Content-Length."""
+
+    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int, metrics: ServerMetrics) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        if scope["path"].startswith("/v1") and self.api_key is not None and not self._authorized(headers):
+            self.metrics.reject("401")
+            return await error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
+                                                 kind="authentication_error", code="invalid_api_key"))(
+                scope, receive, send)
+        length = headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+            self.metrics.reject("413")
+            return await error_response(self._too_large())(scope, receive, send)
+        received, too_large = 0, False
+
+        async def counted() -> dict[str, Any]:
+            nonlocal received, too_large
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:  # stop reading; the app's own answer is dropped
+                    too_large = True
+                    raise self._too_large()
+            return message  # type: ignore[no-any-return]
+
+        async def unless_too_large(message: dict[str, Any]) -> None:
+            if not too_large:
+                await send(message)
+
+        await self.app(scope, counted, unless_too_large)
+        if too_large:
+            self.metrics.reject("413")
+            await error_response(self._too_large())(scope, receive, send)
+
+    def _authorized(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        assert self.api_key is not None
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _too_large(self) -> APIError:
+        return APIError(413, f"request body larger than {self.max_body_bytes} bytes")
 
 
 def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model_name: str,
@@ -125,8 +171,11 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         check_model(body.model)
         if isinstance(body.prompt, str) and not body.prompt:
             raise APIError(400, "prompt: must not be empty", "prompt")
-        params = _params(body, body.logprobs)
-        return await _respond(aengine, body, body.prompt, params, request, model_name, chat=False,
+        params = _params(body, body.logprobs, 16)  # OpenAI's and vLLM's default for completions
+        prompt = body.prompt
+        if isinstance(prompt, str) and tokenizer is not None:  # off the event loop and the engine thread
+            prompt = await _tokenize("prompt", tokenizer.encode, prompt)
+        return await _respond(aengine, body, prompt, params, request, model_name, chat=False,
                               tokenizer=tokenizer)
 
     @app.post("/v1/chat/completions", response_model=None)
@@ -134,16 +183,28 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         check_model(body.model)
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        ids = tokenizer.encode_chat([m.model_dump() for m in body.messages])
+        ids = await _tokenize("messages", tokenizer.encode_chat, [m.model_dump() for m in body.messages])
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
-        params = _params(body, (body.top_logprobs or 0) if body.logprobs else None)
+        # without max_tokens a chat reply may take the rest of the context, as OpenAI's and vLLM's
+        rest = max(engine.max_seq_len - len(ids), 1) if not engine.unbounded else 1 << 20
+        params = _params(body, (body.top_logprobs or 0) if body.logprobs else None, min(rest, 1 << 20))
         return await _respond(aengine, body, ids, params, request, model_name, chat=True, tokenizer=tokenizer)
 
 
-def _params(body: Any, logprobs: Optional[int]) -> Any:
+async def _tokenize(field: str, encode: Any, value: Any) -> list[int]:
+    """Tokens of a request's text, in a worker thread; text that cannot be encoded (a lone
+    surrogate) is a 400 naming the field."""
+    import asyncio
     try:
-        return body.sampling_params(16, logprobs)
+        return await asyncio.to_thread(encode, value)  # type: ignore[no-any-return]
+    except (UnicodeError, ValueError, TypeError) as e:
+        raise APIError(400, f"{field}: cannot be tokenized ({type(e).__name__}: {e})"[:500], field) from e
+
+
+def _params(body: Any, logprobs: Optional[int], default_max_tokens: int) -> Any:
+    try:
+        return body.sampling_params(default_max_tokens, logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), field) from e
@@ -195,6 +256,10 @@ async def _sse(fmt: "_Formatter", first: RequestOutput, stream: AsyncIterator[Re
             out = await stream.__anext__()
             if await request.is_disconnected():
                 return
+        if out.error:  # the request failed: every choice ends with finish_reason "error", then the error
+            if not out.outputs:  # ended from outside the engine (shutdown): no choice has ended yet
+                yield _event(fmt.chunk([fmt.ended(i, "error") for i in range(fmt.n(first))]))
+            yield _event({"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}})
         if include_usage:
             yield _event(fmt.chunk([], usage=fmt.usage(out)))
         yield "data: [DONE]\n\n"
@@ -214,6 +279,11 @@ class _Formatter:
     @staticmethod
     def n(out: RequestOutput) -> int:
         return max(len(out.outputs), 1)
+
+    def ended(self, index: int, reason: str) -> dict[str, Any]:
+        """A choice's last chunk, with nothing more in it."""
+        body = {"delta": {}} if self.chat else {"text": ""}
+        return {"index": index, **body, "logprobs": None, "finish_reason": reason}
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -282,9 +352,14 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     app = create_app(engine, name, api_key, o.max_body_bytes)
     logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, o.host, o.port,
                 engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
+    # the grace period as given (fractions too); streams still open near its end are ended with
+    # an error event and [DONE] rather than cut
     config = uvicorn.Config(app, host=o.host, port=o.port, log_level="info",
-                            timeout_graceful_shutdown=int(o.shutdown_timeout))
-    _GracefulServer(config).run()
+                            timeout_graceful_shutdown=o.shutdown_timeout)  # type: ignore[arg-type]
+    server = _GracefulServer(config)
+    server.before_cut = (max(o.shutdown_timeout - END_STREAMS_BEFORE_S, 0.0),
+                         lambda: app.state.async_engine.end_all("the server is shutting down"))
+    server.run()
     return 0
 
 
@@ -298,6 +373,15 @@ def _graceful_server_class():  # type: ignore[no-untyped-def]
         """SIGTERM/SIGINT start uvicorn's graceful shutdown (stop accepting, let in-flight
         requests finish within the timeout, then cancel them); the process then exits 0
         instead of re-raising the signal."""
+
+        before_cut = None  # (seconds into the shutdown, what to call then)
+
+        async def shutdown(self, sockets=None):  # type: ignore[no-untyped-def]
+            import asyncio
+            if self.before_cut is not None:
+                delay, call = self.before_cut
+                asyncio.get_running_loop().call_later(delay, call)
+            await super().shutdown(sockets)
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[no-untyped-def]

@@ -77,6 +77,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def end_all(self, message: str) -> None:
+        """End every request in flight with this error (a server that shuts down): each stream
+        gets a last output with the error instead of being cut."""
+        self._commands.put(("end_all", message))
+
     # ---- the engine thread ----
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -87,7 +92,7 @@ class AsyncEngine:
                 outputs = self.engine.step()
             except Exception as e:  # a failed step must not kill every stream silently
                 self.num_steps_failed += 1
-                self._fail_all(e)
+                self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 continue
             self.stats = self.engine.stats()
             for out in outputs:
@@ -114,6 +119,8 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(_set_result, cmd.done, None)
             except Exception as e:
                 cmd.loop.call_soon_threadsafe(_set_result, cmd.done, e)
+        elif cmd[0] == "end_all":
+            self._fail_all(cmd[1])
         elif cmd[0] == "abort":
             if self.engine.abort(cmd[1]):
                 self.stats = self.engine.stats()
@@ -128,11 +135,12 @@ class AsyncEngine:
         if cmd is not None:
             cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, out)
 
-    def _fail_all(self, error: Exception) -> None:
+    def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
             self.engine.abort(rid)
             cmd = self._streams.pop(rid)
-            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, _error_output(rid, error))
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, _error_output(rid, message))
+        self.stats = self.engine.stats()
 
 
 def _set_result(fut: asyncio.Future, value: Any) -> None:
@@ -140,7 +148,6 @@ def _set_result(fut: asyncio.Future, value: Any) -> None:
         fut.set_result(value)
 
 
-def _error_output(request_id: str, error: Exception) -> RequestOutput:
+def _error_output(request_id: str, message: str) -> RequestOutput:
     from kvserve.engine.outputs import RequestMetrics
-    return RequestOutput(request_id, None, [], [], True, RequestMetrics(time.monotonic()),
-                         error=f"engine step failed: {type(error).__name__}: {error}")
+    return RequestOutput(request_id, None, [], [], True, RequestMetrics(time.monotonic()), error=message)

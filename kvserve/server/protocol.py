@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from kvserve.core.sampling_params import SamplingParams
 
@@ -20,26 +20,26 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: Optional[str] = Field(None, max_length=256)
-    max_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    max_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, le=1 << 20)
+    top_k: StrictInt = Field(0, ge=-1, le=1 << 20)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: StrictInt = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     user: Optional[str] = Field(None, max_length=256)
     cache_salt: Optional[str] = Field(None, max_length=256)
-    priority: int = Field(0, ge=-1000, le=1000)
-    ignore_eos: bool = False
+    priority: StrictInt = Field(0, ge=-1000, le=1000)
+    ignore_eos: StrictBool = False
     # vLLM's extra parameters for beam search: n beams returned out of best_of (default n)
-    use_beam_search: bool = False
-    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
+    use_beam_search: StrictBool = False
+    best_of: Optional[StrictInt] = Field(None, ge=1, le=MAX_N)
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     early_stopping: Union[bool, Literal["never"]] = False
 
@@ -61,9 +61,9 @@ class _Common(BaseModel):
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[int]] = Field(..., description="a string or a list of token ids")
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
-    echo: bool = False
+    prompt: Union[str, list[StrictInt]] = Field(..., description="a string or a list of token ids")
+    logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    echo: StrictBool = False
 
 
 class ChatMessage(BaseModel):
@@ -73,6 +73,6 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(..., min_length=1, max_length=512)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    max_completion_tokens: Optional[int] = Field(None, ge=1, le=1 << 20)
+    logprobs: StrictBool = False
+    top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
+    max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)

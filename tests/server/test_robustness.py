@@ -40,6 +40,11 @@ def post(server, path, body, headers=AUTH, raw=None):
     ({"model": "stories260K", "prompt": ""}, None, 400, "prompt"),
     ({"model": "gpt-9", "prompt": "hi"}, None, 404, "gpt-9"),
     ({"prompt": "hi"}, None, 200, None),  # model is optional, as in vLLM
+    ({"prompt": "hi", "max_tokens": "5"}, None, 400, "max_tokens"),  # numbers are numbers
+    ({"prompt": "hi", "max_tokens": True}, None, 400, "max_tokens"),
+    ({"prompt": [1.0, 2.0]}, None, 400, "prompt"),
+    (None, b'{"prompt": "\xff\xfe"}', 400, ""),  # invalid UTF-8: the OpenAI envelope all the same
+    (None, "[" * 100_00 + "]" * 100_00, 400, ""),  # deep nesting
 ])
 def test_bad_input_table(stories_server, body, raw, status, needle):
     r = post(stories_server, "/v1/completions", body, raw=raw)
@@ -49,6 +54,36 @@ def test_bad_input_table(stories_server, body, raw, status, needle):
         assert needle in err["message"] and err["type"]
     good = post(stories_server, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 3})
     assert good.status_code == 200  # the server stays up
+
+
+def test_malformed_json_names_no_param(stories_server):
+    r = post(stories_server, "/v1/completions", None, raw='{"prompt": "hi", 16}')
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+
+
+def test_bearer_scheme_is_case_insensitive(stories_server):
+    for scheme in ("bearer", "BEARER"):
+        r = post(stories_server, "/v1/completions", {"prompt": "hi", "max_tokens": 2},
+                 headers={"Authorization": f"{scheme} {API_KEY}"})
+        assert r.status_code == 200, (scheme, r.text)
+
+
+def test_chat_without_max_tokens_may_take_the_rest_of_the_context(smollm2_server):
+    messages = [{"role": "user", "content": "Write a long story about a dragon."}]
+    prompt_len = len(smollm2_server.engine.tokenizer.encode_chat(messages))
+    with httpx.stream("POST", smollm2_server.url + "/v1/chat/completions", timeout=300,
+                      json={"messages": messages, "stream": True, "ignore_eos": True}) as r:
+        next(r.iter_lines())
+        (req,) = smollm2_server.engine.scheduler.requests.values()
+        assert req.sampling_params.max_tokens == 2048 - prompt_len  # not 16
+    smollm2_server.wait_idle()  # leaving the stream aborted it
+
+
+def test_n_beyond_max_num_seqs_is_400(stories):
+    from tests.server.conftest import start
+    with start(stories, "stories260K", None, max_num_seqs=2) as server:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "n": 16, "temperature": 1}, timeout=30)
+        assert r.status_code == 400 and "--max-num-seqs" in r.json()["error"]["message"]
 
 
 def test_chat_without_template_is_400(stories_server):
@@ -103,20 +138,26 @@ def test_full_queue_is_503_with_retry_after(stories):
         assert r503.headers["retry-after"] == "1" and "queue is full" in r503.json()["error"]["message"]
 
 
-def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
+def serve_in_a_process(*args, env=None):
+    """`kvserve serve` on stories260K in its own process, once it answers /health: (process, url)."""
     port = free_port()
-    env = {**os.environ, "KVSERVE_API_KEY": "s3cret-value"}
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_DIR),
-                             "--port", str(port), "--num-blocks", "64", "--shutdown-timeout", "20"],
+                             "--port", str(port), *args],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    return proc, url
+
+
+def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
+    proc, url = serve_in_a_process("--num-blocks", "64", "--shutdown-timeout", "20",
+                                   env={**os.environ, "KVSERVE_API_KEY": "s3cret-value"})
     try:
-        for _ in range(300):
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.1)
         auth = {"Authorization": "Bearer s3cret-value"}
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", headers=auth, json={
@@ -132,6 +173,31 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
             proc.kill()
     log = proc.stdout.read()
     assert "s3cret-value" not in log
+
+
+def test_streams_open_past_the_grace_period_end_with_an_error_event(tmp_path):
+    """A never-ending stream (a sliding window lets it run past the context) and a fractional
+    grace period: the stream gets finish_reason "error", an error event and [DONE] in time, the
+    process exits 0, and nothing is logged as a traceback."""
+    proc, url = serve_in_a_process("--sliding-window", "64", "--shutdown-timeout", "1.5")
+    try:
+        with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json={
+                "prompt": "Once upon a time", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}) as r:
+            lines = r.iter_lines()
+            next(lines)
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            rest = [line[6:] for line in lines if line.startswith("data: ")]
+            waited = time.monotonic() - t0
+        assert rest[-1] == "[DONE]" and 0.5 < waited < 1.5
+        events = [json.loads(e) for e in rest[:-1]]
+        assert events[-1]["error"]["message"] == "the server is shutting down"
+        assert events[-2]["choices"][0]["finish_reason"] == "error"
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Traceback" not in proc.stdout.read()
 
 
 def test_openapi_schema_fuzzing_finds_no_500(stories_server):
@@ -161,3 +227,42 @@ def test_openapi_schema_fuzzing_finds_no_500(stories_server):
     assert not failures, [(p, {k: v for k, v in b.items() if k in KNOWN} if isinstance(b, dict) else b, s, t)
                           for p, b, s, t in failures[:3]]
     assert len(statuses) >= 40 and 200 in statuses and 400 in statuses  # it really exercised the API
+
+
+def test_unicode_and_numbers_fuzzing_finds_no_500(smollm2_server):
+    """Bodies with any unicode (lone surrogates included) in every text field and any JSON
+    number in every numeric one: 200 or 4xx, never 500. A fixed seed in CI; set
+    KVSERVE_FUZZ_EXAMPLES (and KVSERVE_FUZZ_SEED) to run more, or other seeds."""
+    from hypothesis import HealthCheck, given, seed, settings
+    from hypothesis import strategies as st
+    text = st.text(st.characters(blacklist_categories=()), max_size=40)
+    number = st.one_of(st.integers(-2**70, 2**70), st.floats(allow_nan=False, allow_infinity=False),
+                       st.booleans(), st.none(), text)
+    numeric = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed", "presence_penalty",
+               "frequency_penalty", "repetition_penalty", "priority", "logprobs")
+    body = st.fixed_dictionaries({}, optional={**{k: number for k in numeric}, "stop": st.one_of(text, st.lists(text)),
+                                               "user": text, "cache_salt": text})
+    prompt = st.one_of(text, st.lists(st.integers(-5, 60000), max_size=8))
+    messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "x"]),
+                                               "content": text}), min_size=0, max_size=3)
+    examples = int(os.environ.get("KVSERVE_FUZZ_EXAMPLES", "30"))
+    failures = []
+
+    @seed(int(os.environ.get("KVSERVE_FUZZ_SEED", "0")))
+    @settings(max_examples=examples, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
+    @given(fields=body, chat=st.booleans(), prompt=prompt, messages=messages)
+    def check(fields, chat, prompt, messages):
+        payload = {**fields, ("messages" if chat else "prompt"): messages if chat else prompt}
+        if isinstance(payload.get("max_tokens"), int) and not isinstance(payload["max_tokens"], bool):
+            payload["max_tokens"] = max(-1, min(payload["max_tokens"], 3))
+        else:
+            payload.setdefault("max_tokens", 3)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        r = httpx.post(smollm2_server.url + path, content=json.dumps(payload),  # surrogates as \\udXXX escapes
+                       headers={"Content-Type": "application/json"}, timeout=120)
+        if r.status_code >= 500 or "error" not in r.json() and r.status_code != 200:
+            failures.append((path, payload, r.status_code, r.text[:200]))
+
+    check()
+    assert not failures, failures[:3]
+    assert httpx.get(smollm2_server.url + "/health").status_code == 200
