@@ -26,7 +26,7 @@ from kvserve.engine.outputs import RequestOutput
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.args import ServeOptions
 from kvserve.server.metrics import ServerMetrics
-from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("kvserve.server")
 END_STREAMS_BEFORE_S = 0.5  # how long before the grace period ends open streams get their last event
@@ -77,9 +77,13 @@ def _install_guards(app: FastAPI, api_key: Optional[str], max_body_bytes: int, m
         err = e.errors()[0] if e.errors() else {}
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         kind = err.get("type", "")
-        param = None if kind == "json_invalid" else ".".join(loc) or None  # (json_invalid's loc is an offset)
+        # the field as the client named it (json_invalid's loc is an offset; a union's loc adds its member)
+        param = None if kind == "json_invalid" else (loc[0] if loc else None)
         msg = "the request body is not valid JSON" if kind == "json_invalid" else \
             f"{param or 'body'}: {err.get('msg', 'invalid value')}"
+        if kind == "value_error" and not loc:  # a check over the whole body names its field first
+            msg = str(err.get("msg", "")).removeprefix("Value error, ")
+            param = msg.split(":", 1)[0]
         metrics.reject("400")
         return error_response(APIError(400, msg, param))
 
@@ -169,21 +173,66 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         check_model(body.model)
-        if isinstance(body.prompt, str) and not body.prompt:
+        try:
+            prompts = body.prompts()
+        except ValueError as e:
+            raise APIError(400, str(e), "prompt") from e
+        if any(not p for p in prompts):
             raise APIError(400, "prompt: must not be empty", "prompt")
-        params = _params(body, body.logprobs, 16)  # OpenAI's and vLLM's default for completions
-        prompt = body.prompt
-        if isinstance(prompt, str) and tokenizer is not None:  # off the event loop and the engine thread
-            prompt = await _tokenize("prompt", tokenizer.encode, prompt)
-        return await _respond(aengine, body, prompt, params, request, model_name, chat=False,
-                              tokenizer=tokenizer)
+        # echo with logprobs scores the prompt too; echo with max_tokens 0 only scores it
+        prompt_logprobs = (body.logprobs or 0) if body.echo and (body.logprobs is not None or body.max_tokens == 0) \
+            else None
+        params = _params(body, body.logprobs, 16, prompt_logprobs)  # 16: OpenAI's and vLLM's default
+        ids = [await _tokenize("prompt", tokenizer.encode, p) if isinstance(p, str) and tokenizer is not None
+               else p for p in prompts]  # off the event loop and the engine thread
+        echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
+        if len(ids) > 1:
+            if body.stream:
+                raise APIError(400, "stream: a request with several prompts is answered whole, not streamed",
+                               "stream")
+            return await _respond_many(aengine, body, ids, params, request, model_name, tokenizer, echo)
+        return await _respond(aengine, body, ids[0], params, request, model_name, chat=False,
+                              tokenizer=tokenizer, echo=echo[0] if echo else None)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", "prompt")
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            if not tokenizer.chat_template:
+                raise APIError(400, "this model has no chat template", "messages")
+            try:
+                messages = [m.for_template() for m in body.messages]
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from e
+            ids = await _tokenize("messages", tokenizer.encode_chat, messages)
+        else:
+            ids = await _tokenize("prompt", lambda p: tokenizer.encode(p, add_special_tokens=body.add_special_tokens),
+                                  body.prompt)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        check_model(body.model)
+        vocab = engine.model_config.vocab_size
+        if tokenizer is None or any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         check_model(body.model)
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-        ids = await _tokenize("messages", tokenizer.encode_chat, [m.model_dump() for m in body.messages])
+        try:
+            body.check_unsupported()
+            messages = [m.for_template() for m in body.messages]
+        except ValueError as e:
+            raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
+        ids = await _tokenize("messages", tokenizer.encode_chat, messages)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         # without max_tokens a chat reply may take the rest of the context, as OpenAI's and vLLM's
@@ -202,29 +251,26 @@ async def _tokenize(field: str, encode: Any, value: Any) -> list[int]:
         raise APIError(400, f"{field}: cannot be tokenized ({type(e).__name__}: {e})"[:500], field) from e
 
 
-def _params(body: Any, logprobs: Optional[int], default_max_tokens: int) -> Any:
+def _params(body: Any, logprobs: Optional[int], default_max_tokens: int, prompt_logprobs: Optional[int] = None) -> Any:
     try:
-        return body.sampling_params(default_max_tokens, logprobs)
+        return body.sampling_params(default_max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         field = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), field) from e
 
 
-async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, request: Request,
-                   model_name: str, chat: bool, tokenizer: Any) -> Any:
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+async def _start(aengine: AsyncEngine, rid: str, body: Any, prompt: Any, params: Any,
+                 chat: bool) -> tuple[RequestOutput, AsyncIterator[RequestOutput]]:
     stream = aengine.generate(rid, prompt, params, body.priority, body.cache_salt)
     try:
-        first = await stream.__anext__()
+        return await stream.__anext__(), stream
     except QueueFullError as e:
         raise APIError(503, str(e), kind="server_overloaded", code="queue_full", headers={"Retry-After": "1"}) from e
     except ValueError as e:
         raise APIError(400, str(e), "messages" if chat else "prompt") from e
-    fmt = _Formatter(rid, model_name, chat, tokenizer)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(fmt, first, stream, request, include_usage),
-                                 media_type="text/event-stream")
+
+
+async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
     last = first
     try:
         async for out in stream:
@@ -232,12 +278,49 @@ async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, re
             if await request.is_disconnected():
                 break
     finally:
-        await stream.aclose()
+        await stream.aclose()  # type: ignore[attr-defined]
     if not last.finished:
         raise APIError(499, "client disconnected", kind="client_closed_request")
     if last.error:
         raise APIError(500, last.error, kind="server_error")
-    return fmt.full(last)
+    return last
+
+
+async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, request: Request,
+                   model_name: str, chat: bool, tokenizer: Any, echo: Optional[str] = None) -> Any:
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    first, stream = await _start(aengine, rid, body, prompt, params, chat)
+    fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(_sse(fmt, first, stream, request, include_usage),
+                                 media_type="text/event-stream")
+    return fmt.full(await _finish(first, stream, request))
+
+
+async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request: Request,
+                        model_name: str, tokenizer: Any, echo: Optional[list[Optional[str]]]) -> Any:
+    """Several prompts in one completion request: each runs as its own request (batched by the
+    engine); their choices are numbered prompt by prompt, n each, as OpenAI and vLLM do."""
+    import asyncio
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    started = []
+    try:
+        for i, p in enumerate(prompts):
+            started.append(await _start(aengine, f"{rid}-{i}", body, p, params, False))
+        outs = await asyncio.gather(*(_finish(first, stream, request) for first, stream in started))
+    finally:
+        for _, stream in started:
+            await stream.aclose()  # type: ignore[attr-defined]
+    fmt = _Formatter(rid, model_name, False, tokenizer, bool(body.echo))
+    bodies = [_Formatter(rid, model_name, False, tokenizer, bool(body.echo), echo[i] if echo else None).full(out)
+              for i, out in enumerate(outs)]
+    choices = []
+    for i, b in enumerate(bodies):
+        for c in b["choices"]:
+            choices.append({**c, "index": i * params.n + c["index"]})
+    usage = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    return {**fmt.full(outs[0]), "choices": choices, "usage": usage}
 
 
 async def _sse(fmt: "_Formatter", first: RequestOutput, stream: AsyncIterator[RequestOutput],
@@ -247,6 +330,9 @@ async def _sse(fmt: "_Formatter", first: RequestOutput, stream: AsyncIterator[Re
         if fmt.chat:
             yield _event(fmt.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
                                      "logprobs": None, "finish_reason": None} for i in range(fmt.n(out))]))
+        elif fmt.echo:
+            want = any(c.logprobs is not None for c in out.outputs) or out.prompt_logprobs is not None
+            yield _event(fmt.chunk(fmt.echo_choices(out, want)))
         while True:
             choices = fmt.delta_choices(out)
             if choices:
@@ -272,9 +358,23 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 class _Formatter:
-    def __init__(self, rid: str, model: str, chat: bool, tokenizer: Any) -> None:
+    def __init__(self, rid: str, model: str, chat: bool, tokenizer: Any, echo: bool = False,
+                 echo_text: Optional[str] = None) -> None:
         self.rid, self.model, self.chat, self.tokenizer = rid, model, chat, tokenizer
+        self.echo, self.echo_text = echo, echo_text  # completions: the prompt's text comes first
         self.created = int(time.time())
+
+    def prompt_text(self, out: RequestOutput) -> str:
+        if self.echo_text is not None:
+            return self.echo_text
+        return self.tokenizer.decode(out.prompt_token_ids) if self.tokenizer is not None else ""
+
+    def prompt_logprobs(self, out: RequestOutput, want: bool) -> Optional[dict[str, Any]]:
+        """The prompt's tokens with their logprobs (the first has none) and top logprobs."""
+        if not want:
+            return None
+        rows = out.prompt_logprobs or [None] * len(out.prompt_token_ids)
+        return self._logprobs(out.prompt_token_ids, [r or {} for r in rows], 0, first_is_none=True)
 
     @staticmethod
     def n(out: RequestOutput) -> int:
@@ -299,6 +399,12 @@ class _Formatter:
             payload["usage"] = usage
         return payload
 
+    def echo_choices(self, out: RequestOutput, logprobs: bool) -> list[dict[str, Any]]:
+        """A stream's first chunk with echo: each choice starts with the prompt."""
+        lp = self.prompt_logprobs(out, logprobs)
+        return [{"index": i, "text": self.prompt_text(out), "logprobs": lp, "finish_reason": None}
+                for i in range(self.n(out))]
+
     def delta_choices(self, out: RequestOutput) -> list[dict[str, Any]]:
         choices = []
         for c in out.outputs:
@@ -316,16 +422,27 @@ class _Formatter:
     def full(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
-            lp = self._logprobs(c.token_ids, c.logprobs, 0)
             if self.chat:
+                lp = self._logprobs(c.token_ids, c.logprobs, 0)
                 choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
                                 "logprobs": lp, "finish_reason": c.finish_reason})
+                continue
+            text, lp = c.text, None
+            if self.echo:  # the prompt first: its text, and its tokens' logprobs before the output's
+                prompt = self.prompt_text(out)
+                text = prompt + c.text
+                lp = _joined(self.prompt_logprobs(out, c.logprobs is not None),
+                             self._logprobs(c.token_ids, c.logprobs, 0, len(prompt)))
             else:
-                choices.append({"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                lp = self._logprobs(c.token_ids, c.logprobs, 0)
+            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(out)}
 
-    def _logprobs(self, ids: list[int], lps: Optional[list[dict[int, float]]], start: int) -> Optional[dict]:
+    def _logprobs(self, ids: list[int], lps: Optional[list[dict[int, float]]], start: int, offset: int = 0,
+                  first_is_none: bool = False) -> Optional[dict]:
+        """OpenAI's logprobs of tokens `ids` (rows from `start` of lps); for completions the
+        character offset of each token in the choice's text, counted from `offset`."""
         if lps is None:
             return None
         rows = lps[start:start + len(ids)]
@@ -335,8 +452,26 @@ class _Formatter:
                                  "top_logprobs": [{"token": tok(k), "logprob": v, "bytes": None}
                                                   for k, v in r.items() if k != t or len(r) == 1]}
                                 for t, r in zip(ids, rows)]}
-        return {"tokens": [tok(t) for t in ids], "token_logprobs": [r.get(t) for t, r in zip(ids, rows)],
-                "top_logprobs": [{tok(k): v for k, v in r.items()} for r in rows], "text_offset": []}
+        tokens = [tok(t) for t in ids]
+        offsets = []  # where each token's text starts: the length of the text of the tokens before it
+        if self.tokenizer is not None:
+            from kvserve.engine.output_processor import IncrementalDetokenizer
+            text = IncrementalDetokenizer(self.tokenizer)
+            offsets = [offset + len(text.text(ids[:i])) for i in range(len(ids))]
+        none_first = first_is_none and bool(ids)
+        return {"tokens": tokens,
+                "token_logprobs": [None if none_first and i == 0 else r.get(t)
+                                   for i, (t, r) in enumerate(zip(ids, rows))],
+                "top_logprobs": [None if none_first and i == 0 else {tok(k): v for k, v in r.items()}
+                                 for i, r in enumerate(rows)],
+                "text_offset": offsets}
+
+
+def _joined(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Two completions logprobs objects, one after the other."""
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
 
 
 def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:

@@ -2,22 +2,40 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from kvserve.core.sampling_params import SamplingParams
 
 MAX_N = 16
 MAX_STOP = 8
+MAX_PROMPTS = 64
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI fields these endpoints do not serve: accepted where they ask for nothing (null, false,
+# empty, or their default), refused by name otherwise; a field OpenAI does not have is refused
+NOT_SERVED = {"logit_bias": None, "suffix": None, "parallel_tool_calls": None, "store": False,
+              "metadata": None, "service_tier": "auto", "modalities": ["text"], "audio": None,
+              "prediction": None, "reasoning_effort": None, "functions": None, "function_call": "none",
+              "web_search_options": None}
+
+
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _nothing_ignored(self) -> "_Common":
+        for name, value in (self.model_extra or {}).items():
+            if name not in NOT_SERVED:
+                raise ValueError(f"{name}: not a field of this endpoint")
+            if value not in (None, False, [], {}, NOT_SERVED[name]):
+                raise ValueError(f"{name}: not supported by this server (only {NOT_SERVED[name]!r} or null)")
+        return self
 
     model: Optional[str] = Field(None, max_length=256)
     max_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
@@ -49,26 +67,70 @@ class _Common(BaseModel):
             raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings of at most 256 characters")
         return tuple(stops)
 
-    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int]) -> SamplingParams:
+    def sampling_params(self, default_max_tokens: int, logprobs: Optional[int],
+                        prompt_logprobs: Optional[int] = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
             min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
-            max_tokens=self.max_tokens or default_max_tokens, stop=self.stops(),
+            max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens, stop=self.stops(),
+            prompt_logprobs=prompt_logprobs,
             ignore_eos=self.ignore_eos, logprobs=logprobs, use_beam_search=self.use_beam_search,
             beam_width=(self.best_of or self.n) if self.use_beam_search else None,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[StrictInt]] = Field(..., description="a string or a list of token ids")
+    prompt: Union[str, list[StrictInt], list[str], list[list[StrictInt]]] = Field(
+        ..., description="a string, a list of token ids, or a list of either (one choice set each)")
     logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     echo: StrictBool = False
+    max_tokens: Optional[StrictInt] = Field(None, ge=0, le=1 << 20)  # 0 with echo: score the prompt only
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The prompts of the request: one, or the list's items."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
+            return [p]  # type: ignore[list-item]
+        if len(p) > MAX_PROMPTS:
+            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
+        return list(p)  # type: ignore[arg-type]
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str = Field(..., max_length=64)
+    text: Optional[str] = None
 
 
 class ChatMessage(BaseModel):
-    role: Literal["system", "user", "assistant"]
-    content: str
+    """OpenAI's message: content a string or a list of parts (text only here); "developer" is
+    the system role by its newer name; assistant messages may carry tool_calls, tool messages
+    answer one (tool_call_id)."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = Field(None, max_length=256)
+    tool_calls: Optional[list[dict[str, Any]]] = Field(None, max_length=64)
+    tool_call_id: Optional[str] = Field(None, max_length=256)
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise ValueError(f"messages: a content part of type {part.type!r}: this model takes text only")
+        return "\n".join(part.text for part in self.content if part.text is not None)
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it."""
+        m: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                m[key] = getattr(self, key)
+        return m
 
 
 class ChatCompletionRequest(_Common):
@@ -76,3 +138,29 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
+    # accepted where they ask for nothing (the defaults); anything else is refused by name
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+
+    def check_unsupported(self) -> None:
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError("response_format: structured outputs are not supported yet; only {\"type\": \"text\"}")
+        if self.tools:
+            raise ValueError("tools: tool calling is not supported yet")
+        if self.tool_choice not in (None, "none", "auto"):
+            raise ValueError("tool_choice: tool calling is not supported yet")
+
+
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize: a prompt, or chat messages rendered through the template."""
+
+    model: Optional[str] = Field(None, max_length=256)
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, max_length=512)
+    add_special_tokens: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model: Optional[str] = Field(None, max_length=256)
+    tokens: list[StrictInt] = Field(..., max_length=1 << 20)
