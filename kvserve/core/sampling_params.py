@@ -9,6 +9,9 @@ from typing import Optional, Sequence, Union
 GREEDY_BELOW = 1e-5
 
 
+STRUCTURED_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Parameters named and bounded as in vLLM and the OpenAI API.
@@ -41,6 +44,9 @@ class SamplingParams:
     beam_width: Optional[int] = None  # default: n
     length_penalty: float = 1.0  # a finished hypothesis scores sum of logprobs / length ** length_penalty
     early_stopping: Union[bool, str] = False  # True, False or "never", as Hugging Face generate()
+    # structured outputs: (kind, spec), kind one of STRUCTURED_KINDS; every token is drawn from
+    # those that keep the output a prefix of the language (a JSON schema, a regex, a choice, a grammar)
+    structured: Optional[tuple[str, str]] = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -56,6 +62,11 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (isinstance(self.n, int) and self.n >= 1, "n", "must be an integer >= 1"),
+            (self.structured is None or (isinstance(self.structured, tuple) and len(self.structured) == 2
+                                         and self.structured[0] in STRUCTURED_KINDS), "structured",
+             f"must be (kind, spec) with kind one of {STRUCTURED_KINDS}"),
+            (self.structured is None or (self.n == 1 and not self.use_beam_search), "structured",
+             "takes one sample (n = 1, no beam search)"),
             (_is_num(self.temperature) and self.temperature >= 0, "temperature", "must be >= 0"),
             (_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", "must be in (0, 1]"),
             (isinstance(self.top_k, int) and self.top_k >= -1, "top_k",

@@ -181,7 +181,8 @@ class LLMEngine:
                     self._spec_paused[rid] = self.num_steps + SPEC_PAUSE_STEPS
                 del self._spec_window[rid]
         decoding = [r for r in running if r.num_tokens - r.num_computed_tokens == 1
-                    and not r.sampling_params.use_beam_search and r.num_output_tokens > 0
+                    and not r.sampling_params.use_beam_search and r.sampling_params.structured is None
+                    and r.num_output_tokens > 0
                     and self._spec_paused.get(r.request_id, 0) <= self.num_steps]
         if decoding:
             self.proposer.propose(decoding, spec.num_speculative_tokens)
@@ -234,6 +235,8 @@ class LLMEngine:
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        if params.structured is not None:
+            self._structured().grammar(params.structured)  # a ValueError naming the problem
         width = max(params.n, params.beam_width or 0)
         if width > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: this request runs {width} sequences at once, more than the "
@@ -303,6 +306,19 @@ class LLMEngine:
         self._maybe_log()
         self._propose()
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
+
+    def _structured(self) -> Any:
+        """The structured-output matchers, made on first use (they need llguidance and a
+        Hugging Face tokenizer; a ValueError says which is missing)."""
+        if self.runner.sampler.structured is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has none")
+            try:
+                from kvserve.runner.structured import StructuredOutputs
+                self.runner.sampler.structured = StructuredOutputs(self.tokenizer, self.model_config.vocab_size)
+            except ImportError as e:
+                raise ValueError(f"structured outputs need llguidance (pip install llguidance): {e}") from e
+        return self.runner.sampler.structured
 
     def _fail(self, request_id: str, message: str) -> Optional[str]:
         """A request whose step failed: its whole group ends with the error and frees its

@@ -8,7 +8,7 @@ else is in the batch.
 from __future__ import annotations
 
 import copy
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -104,19 +104,24 @@ class Sampler:
         self.generators: dict[str, torch.Generator] = {}
         self.histories: dict[str, TokenHistory] = {}
         self._num_unseeded = 0
+        self.structured: Optional[Any] = None  # StructuredOutputs, where the model's tokenizer can drive one
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self.generators.pop(rid, None)
             self.histories.pop(rid, None)
+        if self.structured is not None:
+            self.structured.forget(request_ids)
 
-    def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[torch.Tensor]], int]:
-        """The random state of these requests, to draw their step again (`restore`)."""
+    def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[torch.Tensor]], int, Any]:
+        """The random (and grammar) state of these requests, to draw their step again (`restore`)."""
         states = {rid: (g.get_state() if (g := self.generators.get(rid)) is not None else None) for rid in request_ids}
-        return states, self._num_unseeded
+        return states, self._num_unseeded, self.structured.save(request_ids) if self.structured else None
 
-    def restore(self, saved: tuple[dict[str, Optional[torch.Tensor]], int]) -> None:
-        states, self._num_unseeded = saved
+    def restore(self, saved: tuple[dict[str, Optional[torch.Tensor]], int, Any]) -> None:
+        states, self._num_unseeded, matchers = saved
+        if self.structured is not None:
+            self.structured.restore(matchers)
         for rid, state in states.items():
             if state is None:
                 self.generators.pop(rid, None)
@@ -146,6 +151,8 @@ class Sampler:
                  ) -> tuple[list[list[int]], list[Optional[list[dict[int, float]]]]]:
         """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence."""
         raw = logits
+        if self.structured is not None:
+            logits = self.structured.mask(logits, seqs)
         if any(s.sampling_params.has_penalties for s in seqs):
             logits = logits.clone()
             for i, s in enumerate(seqs):
@@ -164,6 +171,8 @@ class Sampler:
                 g = self._generator(seqs[i], probs.device)
                 tokens[i] = torch.multinomial(probs[row], seqs[i].num_samples, replacement=True,
                                               generator=g).tolist()
+        if self.structured is not None:
+            self.structured.accept(seqs, tokens)
         return tokens, [_logprobs(raw[i], tokens[i], s.sampling_params.logprobs)
                         for i, s in enumerate(seqs)]
 

@@ -255,7 +255,7 @@ def _params(body: Any, logprobs: Optional[int], default_max_tokens: int, prompt_
     try:
         return body.sampling_params(default_max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
-        field = str(e).split(" ", 1)[0]
+        field = str(e).split(" ", 1)[0].rstrip(":")
         raise APIError(400, str(e), field) from e
 
 
@@ -267,7 +267,8 @@ async def _start(aengine: AsyncEngine, rid: str, body: Any, prompt: Any, params:
     except QueueFullError as e:
         raise APIError(503, str(e), kind="server_overloaded", code="queue_full", headers={"Retry-After": "1"}) from e
     except ValueError as e:
-        raise APIError(400, str(e), "messages" if chat else "prompt") from e
+        field = "response_format" if str(e).startswith("structured") else "messages" if chat else "prompt"
+        raise APIError(400, str(e), field) from e
 
 
 async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:

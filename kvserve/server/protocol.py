@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
@@ -61,6 +62,41 @@ class _Common(BaseModel):
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     early_stopping: Union[bool, Literal["never"]] = False
 
+    # structured outputs: OpenAI's response_format, or vLLM's guided_* parameters (one of them)
+    response_format: Optional[dict[str, Any]] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = Field(None, max_length=4096)
+    guided_choice: Optional[list[str]] = Field(None, min_length=1, max_length=256)
+    guided_grammar: Optional[str] = Field(None, max_length=65536)
+
+    def structured(self) -> Optional[tuple[str, str]]:
+        """(kind, spec) for SamplingParams.structured, from whichever field asks for it."""
+        asked: list[tuple[str, tuple[str, str]]] = []
+        rf = self.response_format
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                asked.append(("response_format", ("json_schema", '{"type": "object"}')))
+            elif kind == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise ValueError("response_format: json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+                asked.append(("response_format", ("json_schema", json.dumps(schema))))
+            elif kind != "text":
+                raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+        if self.guided_json is not None:
+            spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
+            asked.append(("guided_json", ("json_schema", spec)))
+        if self.guided_regex is not None:
+            asked.append(("guided_regex", ("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            asked.append(("guided_choice", ("choice", json.dumps(self.guided_choice))))
+        if self.guided_grammar is not None:
+            asked.append(("guided_grammar", ("grammar", self.guided_grammar)))
+        if len(asked) > 1:
+            raise ValueError(f"{asked[1][0]}: only one of response_format and guided_* at a time")
+        return asked[0][1] if asked else None
+
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP or any(not s or len(s) > 256 for s in stops):
@@ -74,7 +110,7 @@ class _Common(BaseModel):
             min_p=self.min_p, seed=self.seed, presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
             max_tokens=default_max_tokens if self.max_tokens is None else self.max_tokens, stop=self.stops(),
-            prompt_logprobs=prompt_logprobs,
+            prompt_logprobs=prompt_logprobs, structured=self.structured(),
             ignore_eos=self.ignore_eos, logprobs=logprobs, use_beam_search=self.use_beam_search,
             beam_width=(self.best_of or self.n) if self.use_beam_search else None,
             length_penalty=self.length_penalty, early_stopping=self.early_stopping)
@@ -139,13 +175,10 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
     # accepted where they ask for nothing (the defaults); anything else is refused by name
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[dict[str, Any]]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
 
     def check_unsupported(self) -> None:
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format: structured outputs are not supported yet; only {\"type\": \"text\"}")
         if self.tools:
             raise ValueError("tools: tool calling is not supported yet")
         if self.tool_choice not in (None, "none", "auto"):

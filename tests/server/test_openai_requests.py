@@ -3,6 +3,7 @@ tool roles; completions that echo the prompt with its logprobs (the way evaluati
 score text), score it without generating, or take several prompts; /tokenize and /detokenize;
 fields not served yet are refused by name, never ignored."""
 
+import json
 import math
 
 import httpx
@@ -43,7 +44,10 @@ def test_a_tool_round_trip_is_accepted(smollm2_server):
 
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
-    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
      "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
@@ -114,3 +118,23 @@ def test_tokenize_and_detokenize(stories_server):
     assert back.status_code == 200 and back.json()["prompt"] == "Once upon"
     bad = httpx.post(stories_server.url + "/detokenize", json={"tokens": [10 ** 6]}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_json_schema_output_validates_streamed_and_not(smollm2_server):
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "sunny": {"type": "boolean"}},
+              "required": ["city", "sunny"], "additionalProperties": False}
+    c = openai.OpenAI(base_url=smollm2_server.url + "/v1", api_key="none", max_retries=0)
+    kw = dict(model="SmolLM2-135M-Instruct", max_tokens=60, temperature=0.7, seed=3,
+              messages=[{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}],
+              response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema,
+                                                                      "strict": True}})
+    whole = c.chat.completions.create(**kw)
+    jsonschema.validate(json.loads(whole.choices[0].message.content), schema)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(stream=True, **kw)
+                       if ch.choices)
+    assert streamed == whole.choices[0].message.content
+    r = httpx.post(smollm2_server.url + "/v1/completions", timeout=120, json={
+        "prompt": "The answer is", "max_tokens": 5, "guided_choice": ["yes", "no"]})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] in ("yes", "no")
