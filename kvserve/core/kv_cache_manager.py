@@ -11,6 +11,7 @@ Copies it decides on (copy-on-write, swaps) are queued for the runner as (src, d
 from __future__ import annotations
 
 from collections import Counter
+from itertools import chain
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -77,14 +78,16 @@ class KVCacheManager:
         return self.num_held_blocks(request_id) * self.block_size
 
     def num_used_slots(self, request_id: str, num_computed: int) -> int:
-        """Slots of the request's held blocks that hold a computed token, over all groups."""
+        """Slots of the request's held blocks that hold a computed token, over all groups: the
+        computed tokens the table covers, less the null entries (given back, always whole blocks
+        behind the window). Counted at C speed: stats are taken every step."""
         bs, null = self.block_size, self.null_block
-        return sum(min(bs, num_computed - i * bs) for g in self.groups
-                   for i, b in enumerate(g.table(request_id)) if b != null and num_computed > i * bs)
+        return sum(min(num_computed, len(t) * bs) - bs * t.count(null)
+                   for g in self.groups if (t := g.table(request_id)))
 
     def group_held_blocks(self) -> list[int]:
         """Per group, the pool blocks held by requests' tables (shared ones counted once)."""
-        return [len({b for t in g.tables.values() for b in t if b != self.null_block}) for g in self.groups]
+        return [len(set(chain.from_iterable(g.tables.values())) - {self.null_block}) for g in self.groups]
 
     @property
     def usage(self) -> float:

@@ -23,7 +23,7 @@ from torch import nn
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear
-from kvserve.models.llama import RotaryEmbedding
+from kvserve.models.llama import LlamaForCausalLM, RotaryEmbedding
 
 
 class GemmaRMSNorm(nn.Module):
@@ -101,27 +101,24 @@ class GemmaModel(nn.Module):
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class GemmaForCausalLM(nn.Module):
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Llama's frame (weights, lm_head, RoPE tables grown on demand) with Gemma's layers, scaled
+    embeddings, a second RoPE for sliding layers and soft-capped logits."""
+
+    model_class = GemmaModel
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.model = GemmaModel(config)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope: Optional[RotaryEmbedding] = None
+        super().__init__(config)
         self.local_rope: Optional[RotaryEmbedding] = None
 
     def init_rope(self, max_len: int) -> None:
         """Global layers: rope_theta (and its scaling); sliding ones: Gemma 3's local base."""
+        super().init_rope(max_len)
         weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(self.config, max_len, weight.device, weight.dtype)
         local = self.config
         if self.config.rope_local_theta is not None:
             local = dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta, rope_scaling=None)
         self.local_rope = RotaryEmbedding(local, max_len, weight.device, weight.dtype)
-
-    def ensure_rope(self, num_positions: int) -> None:
-        if self.rope is None or self.rope.max_len < num_positions:
-            self.init_rope(max(num_positions, 2 * (self.rope.max_len if self.rope else 0)))
 
     def rope_for(self, kind: str) -> Optional[RotaryEmbedding]:
         return self.local_rope if kind == "sliding" else self.rope
@@ -133,7 +130,7 @@ class GemmaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids)
         x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
         for kind, layer in zip(self.config.layer_kinds, self.model.layers):
-            x = layer(x, positions, self.local_rope if kind == "sliding" else self.rope, ctx)
+            x = layer(x, positions, self.rope_for(kind), ctx)
         return self.model.norm(x)
 
     @torch.inference_mode()

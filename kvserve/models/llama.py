@@ -142,10 +142,12 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    model_class: type[nn.Module] = LlamaModel  # embed_tokens, layers, norm
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = self.model_class(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: Optional[RotaryEmbedding] = None
 
