@@ -8,6 +8,7 @@ oversized body, 503 with Retry-After when the waiting queue is full.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import json
 import logging
@@ -27,6 +28,7 @@ from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.args import ServeOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.tools import ToolCallParser, ToolPlan, fallback_messages, plan_tools, template_messages, template_takes_tools
 
 logger = logging.getLogger("kvserve.server")
 END_STREAMS_BEFORE_S = 0.5  # how long before the grace period ends open streams get their last event
@@ -47,7 +49,7 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = 1 << 20) -> FastAPI:
+               max_body_bytes: int = 1 << 20, tool_call_parser: Optional[str] = None) -> FastAPI:
     metrics_holder: dict[str, ServerMetrics] = {}
     aengine = AsyncEngine(engine, on_finished=lambda out: metrics_holder["m"].finished(out))
     metrics = ServerMetrics(lambda: aengine.stats)
@@ -62,7 +64,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
     _install_guards(app, api_key, max_body_bytes, metrics)
-    _install_routes(app, aengine, engine, model_name, metrics)
+    _install_routes(app, aengine, engine, model_name, metrics, tool_call_parser)
     return app
 
 
@@ -148,7 +150,7 @@ class _Guard:
 
 
 def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model_name: str,
-                    metrics: ServerMetrics) -> None:
+                    metrics: ServerMetrics, tool_call_parser: Optional[str]) -> None:
     tokenizer = engine.tokenizer
 
     def check_model(name: Optional[str]) -> None:
@@ -187,9 +189,6 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
                else p for p in prompts]  # off the event loop and the engine thread
         echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
         if len(ids) > 1:
-            if body.stream:
-                raise APIError(400, "stream: a request with several prompts is answered whole, not streamed",
-                               "stream")
             return await _respond_many(aengine, body, ids, params, request, model_name, tokenizer, echo)
         return await _respond(aengine, body, ids[0], params, request, model_name, chat=False,
                               tokenizer=tokenizer, echo=echo[0] if echo else None)
@@ -228,17 +227,37 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
         try:
-            body.check_unsupported()
-            messages = [m.for_template() for m in body.messages]
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, tokenizer.chat_template,
+                              tool_call_parser)
+            messages, tools = _chat_input(body, plan, tokenizer.chat_template)
         except ValueError as e:
             raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
-        ids = await _tokenize("messages", tokenizer.encode_chat, messages)
+        ids = await _tokenize("messages", lambda m: tokenizer.encode_chat(m, tools), messages)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
         # without max_tokens a chat reply may take the rest of the context, as OpenAI's and vLLM's
         rest = max(engine.max_seq_len - len(ids), 1) if not engine.unbounded else 1 << 20
         params = _params(body, (body.top_logprobs or 0) if body.logprobs else None, min(rest, 1 << 20))
-        return await _respond(aengine, body, ids, params, request, model_name, chat=True, tokenizer=tokenizer)
+        if plan is not None and plan.schema is not None:  # a forced call: the output held to its schema
+            if params.structured is not None:
+                raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format "
+                               "or guided_*", "tool_choice")
+            try:
+                params = dataclasses.replace(params, structured=("json_schema", plan.schema))
+            except ValueError as e:
+                raise APIError(400, f"tool_choice: {e}", "tool_choice") from e
+        return await _respond(aengine, body, ids, params, request, model_name, chat=True, tokenizer=tokenizer,
+                              tools=plan)
+
+
+def _chat_input(body: ChatCompletionRequest, plan: Optional[ToolPlan],
+                template: str) -> tuple[list[dict[str, Any]], Optional[list[dict[str, Any]]]]:
+    """The messages and tools as the template is given them: a template that renders tools gets
+    them (and earlier calls) its way; any other gets them written into the conversation."""
+    messages = [m.for_template() for m in body.messages]
+    if template_takes_tools(template):
+        return template_messages(messages), [t.as_openai() for t in plan.tools] if plan else None
+    return fallback_messages(messages, plan.tools if plan else ()), None
 
 
 async def _tokenize(field: str, encode: Any, value: Any) -> list[int]:
@@ -288,13 +307,14 @@ async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], re
 
 
 async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, request: Request,
-                   model_name: str, chat: bool, tokenizer: Any, echo: Optional[str] = None) -> Any:
+                   model_name: str, chat: bool, tokenizer: Any, echo: Optional[str] = None,
+                   tools: Optional[ToolPlan] = None) -> Any:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     first, stream = await _start(aengine, rid, body, prompt, params, chat)
-    fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo)
+    fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo, tools)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse(fmt, first, stream, request, include_usage),
+        return StreamingResponse(_sse([_Part(fmt, first, stream)], request, include_usage),
                                  media_type="text/event-stream")
     return fmt.full(await _finish(first, stream, request))
 
@@ -302,56 +322,108 @@ async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, re
 async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request: Request,
                         model_name: str, tokenizer: Any, echo: Optional[list[Optional[str]]]) -> Any:
     """Several prompts in one completion request: each runs as its own request (batched by the
-    engine); their choices are numbered prompt by prompt, n each, as OpenAI and vLLM do."""
+    engine); their choices are numbered prompt by prompt, n each, as OpenAI and vLLM do. A
+    stream interleaves their chunks as they come."""
     import asyncio
     rid = f"cmpl-{uuid.uuid4().hex}"
-    started = []
+    started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
+    fmts = [_Formatter(rid, model_name, False, tokenizer, bool(body.echo), echo[i] if echo else None,
+                       offset=i * params.n) for i in range(len(prompts))]
     try:
         for i, p in enumerate(prompts):
             started.append(await _start(aengine, f"{rid}-{i}", body, p, params, False))
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            parts = [_Part(f, first, stream) for f, (first, stream) in zip(fmts, started)]
+            response = StreamingResponse(_sse(parts, request, include_usage), media_type="text/event-stream")
+            started = []  # the stream owns them now
+            return response
         outs = await asyncio.gather(*(_finish(first, stream, request) for first, stream in started))
     finally:
         for _, stream in started:
             await stream.aclose()  # type: ignore[attr-defined]
-    fmt = _Formatter(rid, model_name, False, tokenizer, bool(body.echo))
-    bodies = [_Formatter(rid, model_name, False, tokenizer, bool(body.echo), echo[i] if echo else None).full(out)
-              for i, out in enumerate(outs)]
-    choices = []
-    for i, b in enumerate(bodies):
-        for c in b["choices"]:
-            choices.append({**c, "index": i * params.n + c["index"]})
+    bodies = [f.full(out) for f, out in zip(fmts, outs)]
     usage = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {**fmt.full(outs[0]), "choices": choices, "usage": usage}
+    return {**bodies[0], "choices": [c for b in bodies for c in b["choices"]], "usage": usage}
 
 
-async def _sse(fmt: "_Formatter", first: RequestOutput, stream: AsyncIterator[RequestOutput],
-               request: Request, include_usage: bool) -> AsyncIterator[str]:
-    out = first
+@dataclasses.dataclass
+class _Part:
+    """One engine request of a response: how it is written, its first output and the rest."""
+    fmt: "_Formatter"
+    first: RequestOutput
+    stream: AsyncIterator[RequestOutput]
+    last: Optional[RequestOutput] = None
+
+
+async def _outputs(parts: list[_Part]) -> AsyncIterator[tuple[_Part, RequestOutput]]:
+    """Every part's outputs, first ones first, then as each comes."""
+    import asyncio
+    if len(parts) == 1:  # one request: read it directly
+        p = parts[0]
+        yield p, p.first
+        out = p.first
+        while not out.finished:
+            out = await p.stream.__anext__()
+            yield p, out
+        return
+    pending: dict[Any, _Part] = {}
+    for p in parts:
+        yield p, p.first
+        if not p.first.finished:
+            pending[asyncio.ensure_future(p.stream.__anext__())] = p  # type: ignore[arg-type]
     try:
-        if fmt.chat:
-            yield _event(fmt.chunk([{"index": i, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None} for i in range(fmt.n(out))]))
-        elif fmt.echo:
-            want = any(c.logprobs is not None for c in out.outputs) or out.prompt_logprobs is not None
-            yield _event(fmt.chunk(fmt.echo_choices(out, want)))
-        while True:
-            choices = fmt.delta_choices(out)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                p = pending.pop(task)
+                out = task.result()
+                yield p, out
+                if not out.finished:
+                    pending[asyncio.ensure_future(p.stream.__anext__())] = p  # type: ignore[arg-type]
+    finally:
+        for task in pending:
+            task.cancel()
+
+
+async def _sse(parts: list[_Part], request: Request, include_usage: bool) -> AsyncIterator[str]:
+    try:
+        for p in parts:
+            p.last = p.first
+            if p.fmt.chat:
+                yield _event(p.fmt.chunk([{"index": p.fmt.offset + i, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None} for i in range(p.fmt.n(p.first))]))
+            elif p.fmt.echo:
+                want = any(c.logprobs is not None for c in p.first.outputs) or p.first.prompt_logprobs is not None
+                yield _event(p.fmt.chunk(p.fmt.echo_choices(p.first, want)))
+        async for p, out in _outputs(parts):
+            p.last = out
+            choices = p.fmt.delta_choices(out)
             if choices:
-                yield _event(fmt.chunk(choices))
-            if out.finished:
-                break
-            out = await stream.__anext__()
-            if await request.is_disconnected():
+                yield _event(p.fmt.chunk(choices))
+            if not out.finished and await request.is_disconnected():
                 return
-        if out.error:  # the request failed: every choice ends with finish_reason "error", then the error
-            if not out.outputs:  # ended from outside the engine (shutdown): no choice has ended yet
-                yield _event(fmt.chunk([fmt.ended(i, "error") for i in range(fmt.n(first))]))
-            yield _event({"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}})
+        for p in parts:
+            out = p.last
+            assert out is not None
+            if out.error:  # the request failed: every choice ends with finish_reason "error", then the error
+                if not out.outputs:  # ended from outside the engine (shutdown): no choice has ended yet
+                    yield _event(p.fmt.chunk([p.fmt.ended(i, "error") for i in range(p.fmt.n(p.first))]))
+                yield _event({"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}})
         if include_usage:
-            yield _event(fmt.chunk([], usage=fmt.usage(out)))
+            usages = [p.fmt.usage(p.last) for p in parts if p.last is not None]
+            usage = {**usages[0], **{k: sum(u[k] for u in usages)
+                                     for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
+                                                                   for u in usages)}
+            yield _event(parts[0].fmt.chunk([], usage=usage))
         yield "data: [DONE]\n\n"
     finally:
-        await stream.aclose()  # a disconnect lands here: the request is aborted, its blocks freed
+        for p in parts:  # a disconnect lands here: the requests are aborted, their blocks freed
+            try:
+                await p.stream.aclose()  # type: ignore[attr-defined]
+            except RuntimeError:  # its read was in flight and is cancelled: that ends (aborts) it instead
+                pass
 
 
 def _event(payload: dict[str, Any]) -> str:
@@ -359,10 +431,15 @@ def _event(payload: dict[str, Any]) -> str:
 
 
 class _Formatter:
+    """OpenAI's bodies and chunks for one engine request: its choices numbered from `offset`;
+    with a tool plan, each chat choice's text goes through its own tool-call parser."""
+
     def __init__(self, rid: str, model: str, chat: bool, tokenizer: Any, echo: bool = False,
-                 echo_text: Optional[str] = None) -> None:
+                 echo_text: Optional[str] = None, tools: Optional[ToolPlan] = None, offset: int = 0) -> None:
         self.rid, self.model, self.chat, self.tokenizer = rid, model, chat, tokenizer
         self.echo, self.echo_text = echo, echo_text  # completions: the prompt's text comes first
+        self.tools, self.offset = tools, offset
+        self.parsers: dict[int, ToolCallParser] = {}  # a stream's parser per choice
         self.created = int(time.time())
 
     def prompt_text(self, out: RequestOutput) -> str:
@@ -384,7 +461,7 @@ class _Formatter:
     def ended(self, index: int, reason: str) -> dict[str, Any]:
         """A choice's last chunk, with nothing more in it."""
         body = {"delta": {}} if self.chat else {"text": ""}
-        return {"index": index, **body, "logprobs": None, "finish_reason": reason}
+        return {"index": self.offset + index, **body, "logprobs": None, "finish_reason": reason}
 
     def usage(self, out: RequestOutput) -> dict[str, Any]:
         completion = sum(len(c.token_ids) for c in out.outputs)
@@ -403,7 +480,7 @@ class _Formatter:
     def echo_choices(self, out: RequestOutput, logprobs: bool) -> list[dict[str, Any]]:
         """A stream's first chunk with echo: each choice starts with the prompt."""
         lp = self.prompt_logprobs(out, logprobs)
-        return [{"index": i, "text": self.prompt_text(out), "logprobs": lp, "finish_reason": None}
+        return [{"index": self.offset + i, "text": self.prompt_text(out), "logprobs": lp, "finish_reason": None}
                 for i in range(self.n(out))]
 
     def delta_choices(self, out: RequestOutput) -> list[dict[str, Any]]:
@@ -412,21 +489,41 @@ class _Formatter:
             if not c.delta and not c.finished:
                 continue
             lp = self._logprobs(c.delta_token_ids, c.logprobs, len(c.token_ids) - len(c.delta_token_ids))
-            if self.chat:
-                choices.append({"index": c.index, "delta": {"content": c.delta} if c.delta else {},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
-            else:
-                choices.append({"index": c.index, "text": c.delta, "logprobs": lp,
-                                "finish_reason": c.finish_reason})
+            index = self.offset + c.index
+            if not self.chat:
+                choices.append({"index": index, "text": c.delta, "logprobs": lp, "finish_reason": c.finish_reason})
+                continue
+            delta: dict[str, Any] = {"content": c.delta} if c.delta else {}
+            reason = c.finish_reason
+            if self.tools is not None:
+                parser = self.parsers.setdefault(c.index, self.tools.parser())
+                parsed = parser.feed(c.delta)
+                if c.finished:
+                    rest = parser.finish()
+                    parsed.content, parsed.calls = parsed.content + rest.content, parsed.calls + rest.calls
+                delta = {"content": parsed.content} if parsed.content else {}
+                if parsed.calls:
+                    delta["tool_calls"] = parsed.calls
+                reason = _tool_reason(reason, parser)
+            choices.append({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
         return choices
 
     def full(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
         for c in out.outputs:
+            index = self.offset + c.index
             if self.chat:
                 lp = self._logprobs(c.token_ids, c.logprobs, 0)
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": c.text},
-                                "logprobs": lp, "finish_reason": c.finish_reason})
+                message: dict[str, Any] = {"role": "assistant", "content": c.text}
+                reason = c.finish_reason
+                if self.tools is not None:  # the same parser a stream uses, fed the whole text
+                    parser = self.tools.parser()
+                    content = parser.feed(c.text).content + parser.finish().content
+                    message["content"] = content if content or not parser.calls else None
+                    if parser.calls:
+                        message["tool_calls"] = parser.calls
+                    reason = _tool_reason(reason, parser)
+                choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
                 continue
             text, lp = c.text, None
             if self.echo:  # the prompt first: its text, and its tokens' logprobs before the output's
@@ -436,7 +533,7 @@ class _Formatter:
                              self._logprobs(c.token_ids, c.logprobs, 0, len(prompt)))
             else:
                 lp = self._logprobs(c.token_ids, c.logprobs, 0)
-            choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+            choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {"id": self.rid, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices, "usage": self.usage(out)}
 
@@ -468,6 +565,11 @@ class _Formatter:
                 "text_offset": offsets}
 
 
+def _tool_reason(reason: Optional[str], parser: ToolCallParser) -> Optional[str]:
+    """A choice that ended by itself having made calls ends with "tool_calls", as OpenAI's."""
+    return "tool_calls" if reason == "stop" and parser.calls else reason
+
+
 def _joined(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
     """Two completions logprobs objects, one after the other."""
     if a is None or b is None:
@@ -485,7 +587,7 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
                          log_stats_interval_s=o.log_stats_interval)
     name = o.served_model_name or _default_name(model)
     api_key = o.api_key or env_api_key()
-    app = create_app(engine, name, api_key, o.max_body_bytes)
+    app = create_app(engine, name, api_key, o.max_body_bytes, o.tool_call_parser)
     logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, o.host, o.port,
                 engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
     # the grace period as given (fractions too); streams still open near its end are ended with

@@ -17,6 +17,7 @@ class ServeOptions:
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0
+    tool_call_parser: str = "auto"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -32,3 +33,6 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
     g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval)
+    g.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=d.tool_call_parser,
+                   help="how tool calls are read from the model's text (auto: by its chat template; "
+                   "hermes <tool_call> tags where the template has no tools of its own)")

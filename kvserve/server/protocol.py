@@ -20,7 +20,7 @@ class StreamOptions(BaseModel):
 
 # OpenAI fields these endpoints do not serve: accepted where they ask for nothing (null, false,
 # empty, or their default), refused by name otherwise; a field OpenAI does not have is refused
-NOT_SERVED = {"logit_bias": None, "suffix": None, "parallel_tool_calls": None, "store": False,
+NOT_SERVED = {"logit_bias": None, "suffix": None, "store": False,
               "metadata": None, "service_tier": "auto", "modalities": ["text"], "audio": None,
               "prediction": None, "reasoning_effort": None, "functions": None, "function_call": "none",
               "web_search_options": None}
@@ -174,15 +174,10 @@ class ChatCompletionRequest(_Common):
     logprobs: StrictBool = False
     top_logprobs: Optional[StrictInt] = Field(None, ge=0, le=20)
     max_completion_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
-    # accepted where they ask for nothing (the defaults); anything else is refused by name
-    tools: Optional[list[dict[str, Any]]] = None
+    # tool calling (kvserve/server/tools.py): functions the model may call, and whether it must
+    tools: Optional[list[dict[str, Any]]] = Field(None, max_length=128)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
-
-    def check_unsupported(self) -> None:
-        if self.tools:
-            raise ValueError("tools: tool calling is not supported yet")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise ValueError("tool_choice: tool calling is not supported yet")
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 class TokenizeRequest(BaseModel):

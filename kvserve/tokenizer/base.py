@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 
 class Tokenizer(ABC):
@@ -24,20 +24,23 @@ class Tokenizer(ABC):
     @abstractmethod
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict[str, str]],
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: Optional[list[dict[str, Any]]] = None) -> str:
         if not self.chat_template:
             raise ValueError("this model has no chat template; use a plain prompt instead")
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
+        return render_chat_template(self.chat_template, messages, add_generation_prompt, tools,
                                     bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict[str, Any]],
+                    tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
         # the template writes its own special tokens (a BOS included, where it wants one)
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
-def render_chat_template(template: str, messages: Sequence[dict[str, str]],
-                         add_generation_prompt: bool, **special: str) -> str:
+def render_chat_template(template: str, messages: Sequence[dict[str, Any]], add_generation_prompt: bool,
+                         tools: Optional[list[dict[str, Any]]] = None, **special: str) -> str:
+    """The conversation as the template writes it; `tools` (OpenAI's function list) is given to
+    templates that render tools, as transformers' apply_chat_template does."""
     import jinja2
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -53,6 +56,6 @@ def render_chat_template(template: str, messages: Sequence[dict[str, str]],
     env.globals["raise_exception"] = raise_exception
     try:
         return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt, **special)
+            messages=list(messages), add_generation_prompt=add_generation_prompt, tools=tools, **special)
     except jinja2.TemplateError as e:
         raise ValueError(f"chat template failed: {e}") from e

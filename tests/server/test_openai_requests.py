@@ -33,24 +33,21 @@ def test_content_parts_and_developer_role_equal_their_plain_forms(smollm2_server
     assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
-def test_a_tool_round_trip_is_accepted(smollm2_server):
-    r = chat(smollm2_server, messages=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"}])
-    assert r.status_code == 200, r.text
-
-
 @pytest.mark.parametrize("body, param", [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": ""}}]},
      "tools"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 5}}, "logit_bias"),
 ])
 def test_what_is_not_served_is_refused_by_name(smollm2_server, body, param):
     r = chat(smollm2_server, **body)
@@ -100,9 +97,31 @@ def test_several_prompts_in_one_request(stories_server):
     mixed = httpx.post(stories_server.url + "/v1/completions", headers=AUTH, timeout=60, json={
         "prompt": ["Once", [1, 403]], "max_tokens": 2})
     assert mixed.status_code == 400 and mixed.json()["error"]["param"] == "prompt"
-    r = httpx.post(stories_server.url + "/v1/completions", headers=AUTH, timeout=60, json={
-        "prompt": ["a", "b"], "max_tokens": 4, "stream": True})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+
+
+
+def test_several_prompts_streamed(stories_server):
+    """A stream of several prompts interleaves their chunks; put back together by index, each
+    choice is what the request without streaming gives, and usage sums every prompt."""
+    body = {"prompt": ["Once upon a time", "Lily and Tom", "The sun"], "max_tokens": 12, "temperature": 0, "n": 2,
+            "logprobs": 1}
+    whole = httpx.post(stories_server.url + "/v1/completions", headers=AUTH, timeout=60, json=body).json()
+    texts, reasons, tokens = {}, {}, {}
+    with httpx.stream("POST", stories_server.url + "/v1/completions", headers=AUTH, timeout=60,
+                      json={**body, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    for e in map(json.loads, events[:-2]):
+        for c in e["choices"]:
+            texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+            tokens[c["index"]] = tokens.get(c["index"], []) + c["logprobs"]["tokens"]
+            reasons[c["index"]] = c["finish_reason"] or reasons.get(c["index"])
+    assert sorted(texts) == list(range(6))
+    for c in whole["choices"]:
+        assert texts[c["index"]] == c["text"] and reasons[c["index"]] == c["finish_reason"]
+        assert tokens[c["index"]] == c["logprobs"]["tokens"]
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == whole["usage"]["completion_tokens"] == 72
 
 
 def test_max_tokens_zero_needs_echo(stories_server):

@@ -110,9 +110,10 @@ def test_oversized_body_is_413(stories_server):
     assert r.status_code == 413
 
 
-def test_disconnect_mid_stream_frees_blocks(stories_server):
+@pytest.mark.parametrize("prompt", ["Once upon a time", ["Once upon a time", "Lily and Tom", "The sun"]])
+def test_disconnect_mid_stream_frees_blocks(stories_server, prompt):
     engine = stories_server.engine
-    body = {"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "temperature": 0, "ignore_eos": True}
+    body = {"prompt": prompt, "max_tokens": 400, "stream": True, "temperature": 0, "ignore_eos": True}
     other = httpx.Client(timeout=60)
     with httpx.Client(timeout=60) as c, c.stream("POST", stories_server.url + "/v1/completions",
                                                  json=body, headers=AUTH) as r:
