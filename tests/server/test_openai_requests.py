@@ -31,6 +31,13 @@ def test_content_parts_and_developer_role_equal_their_plain_forms(smollm2_server
         {"role": "user", "content": [{"type": "text", "text": "Say hi"}, {"type": "text", "text": "to me"}]}])
     assert parts.choices[0].message.content == plain.choices[0].message.content
     assert parts.usage.prompt_tokens == plain.usage.prompt_tokens
+    streamed = c.chat.completions.create(model="SmolLM2-135M-Instruct", max_tokens=8, temperature=0, stream=True,
+                                         messages=[{"role": "developer", "content": [{"type": "text",
+                                                                                      "text": "You are terse."}]},
+                                                   {"role": "user", "content": [{"type": "text", "text": "Say hi"},
+                                                                                {"type": "text", "text": "to me"}]}])
+    assert "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices) == \
+        plain.choices[0].message.content
 
 
 @pytest.mark.parametrize("body, param", [
