@@ -9,7 +9,7 @@
 2. Prefix caching: 32 requests sharing a 1,024-token system prompt on SmolLM2, prefix caching on
    vs off: mean time to first token and prompt tokens computed, with the ratios.
 
-    .venv/bin/python benchmarks/paged_cache.py [--skip-prefix]
+    .venv/bin/python benchmarks/paged_cache.py [--skip-prefix] [--plot paged_cache.png]
 
 Writes benchmarks/results/paged_cache.json.
 """
@@ -60,7 +60,7 @@ def memory_run(layout: str, budget: int, max_model_len: int, seed: int) -> dict:
             "steps": steps, "mean_reserved_bytes": total_reserved / steps, "mean_used_bytes": total_used / steps,
             "waste_pct": 100 * (total_reserved - total_used) / total_reserved,
             "max_concurrent_seqs": max(running), "mean_concurrent_seqs": statistics.fmean(running),
-            "preemptions": sched.num_preemptions}
+            "preemptions": sched.num_preemptions, "series": {"reserved": reserved, "used": used, "running": running}}
 
 
 def prefix_run(loaded, caching: bool) -> dict:
@@ -95,7 +95,10 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, default=1024)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip-prefix", action="store_true")
+    ap.add_argument("--plot", default=None, metavar="FILE.png", help="draw memory per step for each layout")
     a = ap.parse_args()
+    from kvserve.bench.plot import check_plot_path
+    check_plot_path(a.plot)
     budget = a.budget_mib << 20
     result: dict = {"memory": []}
     print(f"mixed workload: 64 requests, prompts 16-1024, outputs 16-256, SmolLM2 fp32 KV, budget {a.budget_mib} MiB")
@@ -108,6 +111,14 @@ def main() -> None:
         print(f"{name:28} {r['waste_pct']:8.2f} {r['mean_reserved_bytes'] / 2**20:13.1f} "
               f"{r['mean_used_bytes'] / 2**20:9.1f} {r['max_concurrent_seqs']:9d} {r['mean_concurrent_seqs']:10.1f} "
               f"{r['steps']:6d}", flush=True)
+    if a.plot:
+        from kvserve.bench.plot import memory_figure
+        names = ["paged (block 16)", "contiguous (slab 1280)", "contiguous (slab 8192)"]
+        memory_figure(a.plot, f"64 mixed requests, SmolLM2 fp32 KV, {a.budget_mib} MiB budget",
+                      [{"name": n, "waste_pct": r["waste_pct"], **r["series"]} for n, r in zip(names, result["memory"])])
+        print(f"figure: {a.plot}")
+    for r in result["memory"]:
+        r.pop("series")
     if not a.skip_prefix:
         from kvserve.models.registry import load_weights
         loaded = load_weights("SmolLM2-135M-Instruct")

@@ -1,4 +1,4 @@
-"""kvserve generate | chat | memory | eval | serve | bench.
+"""kvserve generate | chat | memory | eval | visualize | serve | bench.
 
 User mistakes (a missing file, a bad option value, a prompt longer than the context) print one
 line naming the problem and exit 2; nothing prints a traceback for them.
@@ -304,6 +304,18 @@ def _print_stream(engine: Any, tokens: list[int], a: argparse.Namespace) -> int:
     return 0
 
 
+# ---- visualize ----
+def cmd_visualize(a: argparse.Namespace) -> int:
+    from kvserve.server.visualize import visualize
+    if a.trace_file is not None and a.model is not None:
+        raise UserError("give --trace (draw a recorded run) or --model (record the scenario), not both")
+    shown = visualize(a.out, a.model, a.trace_file, a.save_trace)
+    print(f"wrote {a.out}: {shown['steps']} steps, {shown['copy_on_write']} copy-on-write, "
+          f"{shown['preemptions']} preemption(s), {shown['evictions']} eviction(s), "
+          f"prefix hit rate {100 * shown['prefix_hit_rate']:.0f}%; open it in a browser")
+    return 0
+
+
 # ---- serve / bench ----
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvserve.server.app import serve
@@ -363,6 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--json", action="store_true")
     add_engine_args(ep)
     ep.set_defaults(func=cmd_eval)
+    v = sub.add_parser("visualize", help="a step-through of the cache as a self-contained HTML page")
+    v.add_argument("--model", default=None, help="model to record the scenario on (default: stories260K "
+                   "from ../shared/models)")
+    v.add_argument("--trace", dest="trace_file", default=None, metavar="FILE",
+                   help="draw this recorded trace (--trace of generate/serve) instead of the scenario")
+    v.add_argument("--out", default="kvcache.html", help="the HTML file to write")
+    v.add_argument("--save-trace", default=None, metavar="FILE", help="also keep the scenario's trace")
+    v.set_defaults(func=cmd_visualize)
     from kvserve.server.args import add_serve_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)

@@ -238,6 +238,7 @@ class EngineConfig:
     log_stats_interval_s: Optional[float] = None
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
     linear_backend: str = "auto"  # auto: few-row bf16 products on CPU through the compiled kernel
+    trace_path: Optional[str] = None  # write what every step did to the cache here (kvserve visualize)
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)

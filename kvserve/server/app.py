@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
@@ -64,7 +64,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
     _install_guards(app, api_key, max_body_bytes, metrics)
-    _install_routes(app, aengine, engine, model_name, metrics, tool_call_parser)
+    _install_routes(app, aengine, engine, model_name, metrics, tool_call_parser, api_key is not None)
     return app
 
 
@@ -150,7 +150,7 @@ class _Guard:
 
 
 def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model_name: str,
-                    metrics: ServerMetrics, tool_call_parser: Optional[str]) -> None:
+                    metrics: ServerMetrics, tool_call_parser: Optional[str], needs_key: bool) -> None:
     tokenizer = engine.tokenizer
 
     def check_model(name: Optional[str]) -> None:
@@ -166,6 +166,19 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
     async def prometheus() -> PlainTextResponse:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
         return PlainTextResponse(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/kv/state")
+    async def kv_cache_state() -> dict[str, Any]:
+        """Every block's status, reference count and hash; each request's block tables and
+        tokens; the pool's totals (kvserve/engine/kv_state.py documents the fields)."""
+        from kvserve.engine.kv_state import kv_state
+        return await aengine.call(kv_state)  # type: ignore[no-any-return]
+
+    @app.get("/dashboard", response_class=HTMLResponse)
+    async def dashboard() -> HTMLResponse:
+        """The live view of the cache (it reads /v1/kv/state with the key typed into it)."""
+        page = _static("dashboard.html").replace("__NEEDS_KEY__", "true" if needs_key else "false")
+        return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -636,6 +649,11 @@ def _graceful_server_class():  # type: ignore[no-untyped-def]
 
 def _GracefulServer(config):  # type: ignore[no-untyped-def]
     return _graceful_server_class()(config)
+
+
+def _static(name: str) -> str:
+    from importlib.resources import files
+    return files("kvserve.server").joinpath("static", name).read_text(encoding="utf-8")
 
 
 def _default_name(model: str) -> str:

@@ -74,6 +74,17 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(("abort", request_id))
 
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """fn(engine) run on the engine thread between two steps (what it reads is one instant's);
+        the figures /metrics reports are taken at that instant too."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        ok, value = await done
+        if not ok:
+            raise value
+        return value
+
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
@@ -119,6 +130,14 @@ class AsyncEngine:
                 cmd.loop.call_soon_threadsafe(_set_result, cmd.done, None)
             except Exception as e:
                 cmd.loop.call_soon_threadsafe(_set_result, cmd.done, e)
+        elif cmd[0] == "call":
+            _, fn, loop, done = cmd
+            try:
+                result = (True, fn(self.engine))
+                self.stats = self.engine.stats()
+            except Exception as e:
+                result = (False, e)
+            loop.call_soon_threadsafe(_set_result, done, result)
         elif cmd[0] == "end_all":
             self._fail_all(cmd[1])
         elif cmd[0] == "abort":

@@ -46,6 +46,9 @@ class _EngineCollector(Collector):
         yield _gauge("kvserve_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache / queried",
                      s.prefix_hit_rate)
         yield _gauge("kvserve_num_preemptions", "Preemptions since start", s.num_preemptions)
+        yield _gauge("kvserve_num_swaps_out", "Requests swapped out to the CPU pool since start", e.num_swaps_out)
+        yield _gauge("kvserve_num_swaps_in", "Requests swapped back in since start", e.num_swaps_in)
+        yield _gauge("kvserve_kv_cache_evictions", "Cached blocks evicted for reuse since start", e.num_evictions)
         yield _gauge("kvserve_kv_cache_fragmentation_slots", "Allocated slots holding no token", s.fragmentation_slots)
 
 

@@ -39,3 +39,11 @@ def test_bench_serve_reports_failures_and_exits_nonzero(stories_server, tmp_path
     rc, s = bench(stories_server, tmp_path, "--api-key", "wrong-key", "--model", "stories260K")
     assert rc == 1 and s["successful_requests"] == 0 and s["failed_requests"] == 8
     assert any("HTTP 401" in e for e in s["errors"])
+
+
+def test_bench_serve_plot(stories_server, tmp_path):
+    fig = tmp_path / "serve.png"
+    assert main(["bench", "serve", "--url", stories_server.url, "--num-prompts", "8", "--input-len", "12",
+                 "--output-len", "10", "--api-key", API_KEY, "--plot", str(fig)]) == 0
+    from tests.bench.test_plots import png
+    png(fig)
