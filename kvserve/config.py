@@ -16,6 +16,7 @@ from typing import Any, Optional
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
+WEIGHT_DTYPES = ("auto", *MODEL_DTYPES, "int8", "int4")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
@@ -239,6 +240,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
     linear_backend: str = "auto"  # auto: few-row bf16 products on CPU through the compiled kernel
     trace_path: Optional[str] = None  # write what every step did to the cache here (kvserve visualize)
+    # weights: auto keeps a GGUF's block formats packed (Q8_0/Q4_0/Q4_1), float ones in `dtype`;
+    # float32/bfloat16/float16 (= dtype) dequantize everything; int8/int4 pack float weights (Q8_0/Q4_1)
+    weight_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -247,6 +251,11 @@ class EngineConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
+        if self.weight_dtype in MODEL_DTYPES and self.weight_dtype != dtype:
+            raise ValueError(f"weight dtype {self.weight_dtype} differs from the model dtype {dtype}: float "
+                             "weights are held in --dtype (use auto, int8 or int4 to keep them packed)")
         for name in ("attention_backend", "linear_backend"):
             if getattr(self, name) not in KERNEL_BACKENDS:
                 raise ValueError(f"{name.replace('_', ' ')} must be auto, torch or cpu-kernel, "

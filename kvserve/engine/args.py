@@ -10,8 +10,8 @@ import argparse
 from dataclasses import fields
 from typing import Any, Type, TypeVar
 
-from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS, CacheConfig, EngineConfig,
-                            SchedulerConfig, SpeculativeConfig)
+from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS, WEIGHT_DTYPES, CacheConfig,
+                            EngineConfig, SchedulerConfig, SpeculativeConfig)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
@@ -51,6 +51,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", default=None, help="tokenizer file, if not beside the model")
     g.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     g.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    g.add_argument("--weight-dtype", default="auto", choices=WEIGHT_DTYPES,
+                   help="weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 packed (read by a compiled kernel), "
+                        "float ones in --dtype; float32/bfloat16/float16 (= --dtype) dequantize everything; "
+                        "int8/int4 pack float weights as Q8_0/Q4_1 at load")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
                         "fp8_e5m2, int8 or int4 (see the README's memory section)")
@@ -98,6 +102,7 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine arguments as the flat options `engine_config` takes (the model apart)."""
     opts: dict[str, Any] = dict(
         tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
+        weight_dtype=a.weight_dtype,
         kv_cache_scales=a.kv_cache_scales,
         max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
         num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,

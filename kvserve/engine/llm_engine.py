@@ -92,7 +92,7 @@ class LLMEngine:
             host_memory.keep_freed_memory()
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
-        self.model = build_model(loaded, dtype, config.device, self.max_model_len)
+        self.model = build_model(loaded, dtype, config.device, self.max_model_len, config.weight_dtype)
         self.model_id = loaded.model_id
         groups = cache_groups(loaded.config, config.cache, self.max_model_len)
         # windows the user asked for on every layer: a constant cache, so no limit on length

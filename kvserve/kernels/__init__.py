@@ -7,6 +7,7 @@ macros; each instruction-set level is a separate build of the same source with i
 
     level         needs (from /proc/cpuinfo)                       what turns on in the source
     portable      nothing                                          the portable loops only
+    avx2          avx2, fma, f16c                                  __AVX2__ paths
     avx512        avx512f/bw/vl/dq, fma, f16c                       __AVX512F__ paths
     avx512_bf16   avx512 + avx512_bf16                             __AVX512BF16__ paths too
 
@@ -19,6 +20,7 @@ Where one cannot be built (no compiler, no ninja, a read-only cache) the caller 
 path instead; the reason is logged once and kept in `failure(name)`.
   paged_attention  decode attention reading K/V blocks in place through the block table
   linear_bf16      bf16 x @ W^T for a few rows of x at memory bandwidth
+  linear_quant     x @ W^T with W packed in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, and their dequantization
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class Isa:
 _AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2"})
 ISAS = {
     "portable": Isa("portable", frozenset(), ()),
+    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
     "avx512": Isa("avx512", _AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
                                       "-mavx512vl", "-mavx512dq")),
     "avx512_bf16": Isa("avx512_bf16", _AVX512 | {"avx512_bf16"},
@@ -57,6 +60,7 @@ ISAS = {
 KERNEL_ISAS = {
     "paged_attention": ("portable", "avx512"),
     "linear_bf16": ("portable", "avx512_bf16"),
+    "linear_quant": ("portable", "avx2", "avx512"),
 }
 
 _modules: dict[tuple[str, str], Any] = {}

@@ -54,8 +54,8 @@ def calibrate_fp8(model: LlamaForCausalLM, tokenizer: Optional[Tokenizer], fmt: 
     c = model.config
     ids = tokenizer.encode(CALIBRATION_TEXT) if tokenizer is not None else list(range(min(c.vocab_size, 256)))
     ids = ids[:c.max_position_embeddings]
-    device = model.model.embed_tokens.weight.device
-    backend = _RecordingBackend(c.num_hidden_layers, c.num_key_value_heads, model.model.embed_tokens.weight.dtype)
+    device = model.device
+    backend = _RecordingBackend(c.num_hidden_layers, c.num_key_value_heads, model.dtype)
     install(model, backend, [0] * c.num_hidden_layers)
     meta = backend.build_metadata(AttentionMetadata(prefills=[PrefillSpan(0, len(ids), len(ids))]), None)
     model.ensure_rope(len(ids))

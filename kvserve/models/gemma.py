@@ -114,11 +114,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def init_rope(self, max_len: int) -> None:
         """Global layers: rope_theta (and its scaling); sliding ones: Gemma 3's local base."""
         super().init_rope(max_len)
-        weight = self.model.embed_tokens.weight
         local = self.config
         if self.config.rope_local_theta is not None:
             local = dataclasses.replace(self.config, rope_theta=self.config.rope_local_theta, rope_scaling=None)
-        self.local_rope = RotaryEmbedding(local, max_len, weight.device, weight.dtype)
+        self.local_rope = RotaryEmbedding(local, max_len, self.device, self.dtype)
 
     def rope_for(self, kind: str) -> Optional[RotaryEmbedding]:
         return self.local_rope if kind == "sliding" else self.rope

@@ -151,9 +151,17 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: Optional[RotaryEmbedding] = None
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype (what the norms hold; a packed weight has none of its own)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
     def init_rope(self, max_len: int) -> None:
-        weight = self.model.embed_tokens.weight
-        self.rope = RotaryEmbedding(self.config, max_len, weight.device, weight.dtype)
+        self.rope = RotaryEmbedding(self.config, max_len, self.device, self.dtype)
 
     def ensure_rope(self, num_positions: int) -> None:
         """RoPE tables covering positions [0, num_positions) (a stream grows past any table)."""

@@ -9,12 +9,14 @@ import re
 from typing import Optional
 
 import torch
+from torch import nn
 
 from kvserve.config import ModelConfig
 from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
+from kvserve.models.packed import BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, quantize
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
@@ -114,22 +116,66 @@ def load_weights(model: str, tokenizer: Optional[str] = None) -> LoadedModel:
 MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM}  # else the Llama family
 
 
-def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int) -> LlamaForCausalLM:
-    """Instantiate without initialising (meta device), then adopt the loaded tensors."""
+def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int,
+                weight_dtype: str = "auto") -> LlamaForCausalLM:
+    """Instantiate without initialising (meta device), then adopt the loaded tensors. Packed
+    weights (a GGUF's Q8_0/Q4_0/Q4_1) stay packed with weight_dtype auto and are dequantized to
+    `dtype` otherwise; int8/int4 pack every float matrix whose rows split into 32-weight blocks."""
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)
-    sd = {k: v.to(dtype=dtype) for k, v in loaded.state_dict.items()}
-    if loaded.config.tie_word_embeddings:
+    sd, packed = _weights(loaded, dtype, weight_dtype)
+    tied = loaded.config.tie_word_embeddings
+    if tied:
         sd.pop("lm_head.weight", None)
+        packed.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(sd, strict=False, assign=True)
-    missing = [m for m in missing if not (m == "lm_head.weight" and loaded.config.tie_word_embeddings)]
+    missing = [m for m in missing if not (m == "lm_head.weight" and tied) and m not in packed]
     unexpected = [u for u in unexpected if "rotary_emb" not in u]
     if missing or unexpected:
         raise ModelLoadError(f"weights do not match the architecture: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-    if loaded.config.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    for name, p in packed.items():
+        _adopt_packed(model, name.removesuffix(".weight"), p, dtype)
+    if tied:
+        embed = model.model.embed_tokens
+        model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim))) \
+            if isinstance(embed, PackedEmbedding) else model.lm_head
+        if not isinstance(embed, PackedEmbedding):
+            model.lm_head.weight = embed.weight
     model.to(device)
     model.init_rope(max_len)
     return model.eval()
+
+
+QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}
+
+
+def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str
+             ) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+    """The float tensors (in dtype) and the packed ones the model is built from."""
+    sd: dict[str, torch.Tensor] = {}
+    packed: dict[str, PackedWeight] = {}
+    target = FORMATS.get(QUANTIZE_TO.get(weight_dtype, ""))
+    for k, v in loaded.state_dict.items():
+        matrix = k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")
+        if isinstance(v, PackedWeight):
+            if weight_dtype == "auto" or (target is not None and v.fmt == target):
+                packed[k] = v
+                continue
+            v = v.dequantize()
+        if target is not None and matrix and v.dim() == 2 and v.shape[1] % BLOCK == 0:
+            packed[k] = quantize(v, target)
+        else:
+            sd[k] = v.to(dtype=dtype)
+    return sd, packed
+
+
+def _adopt_packed(model: nn.Module, path: str, p: PackedWeight, dtype: torch.dtype) -> None:
+    parent_path, _, attr = path.rpartition(".")
+    parent = model.get_submodule(parent_path)
+    old = getattr(parent, attr)
+    if isinstance(old, nn.Embedding):
+        setattr(parent, attr, PackedEmbedding(p, dtype))
+    else:
+        setattr(parent, attr, PackedLinear(p, old.bias if old.bias is not None and not old.bias.is_meta else None))

@@ -66,8 +66,8 @@ class ModelRunner:
         self.storage = storage  # None: recompute every sequence from scratch (the reference)
         self.swap_storage = swap_storage
         self.layout = layout
-        self.device = model.model.embed_tokens.weight.device
-        dtype = model.model.embed_tokens.weight.dtype
+        self.device = model.device
+        dtype = model.dtype
         if model.config.attn_logit_softcapping is not None:  # the kernel does not soft-cap scores
             if attention_backend == "cpu-kernel":
                 raise ValueError("attention backend 'cpu-kernel' cannot soft-cap attention scores (this model's "
@@ -83,7 +83,7 @@ class ModelRunner:
                                    cdiv(layout.max_model_len, layout.block_size) + 1, self.device)
                        for _ in range(layout.num_groups)]
         self.sampler = Sampler(seed)
-        if self.device.type == "cpu" and model.lm_head.weight.dtype == torch.bfloat16:
+        if self.device.type == "cpu" and dtype == torch.bfloat16:
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
         # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None

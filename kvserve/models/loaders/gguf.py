@@ -1,5 +1,7 @@
-"""GGUF files (llama.cpp): metadata, quantized tensors dequantized to fp32, and the tokenizer
-(the file itself is read by gguf_file.GGUFFile).
+"""GGUF files (llama.cpp): metadata, tensors and the tokenizer (the file itself is read by
+gguf_file.GGUFFile). Matrices in Q8_0, Q4_0 and Q4_1 stay packed (models/packed.PackedWeight,
+the file's own bytes); build_model keeps them packed or dequantizes them (--weight-dtype). Other
+types are dequantized to fp32.
 
 llama.cpp's converter permutes Llama Q/K rows for its interleaved RoPE; loading undoes that so
 the model rotates halves like Hugging Face. Qwen2 files are stored unpermuted (NEOX RoPE).
@@ -16,6 +18,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError, interleaved_to_half_rope
 from kvserve.models.loaders.gguf_file import GGUFFile
+from kvserve.models.packed import BY_GGML_TYPE, PackedWeight
 from kvserve.tokenizer.hf import HFTokenizer, from_gguf_bpe
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
@@ -75,7 +78,7 @@ def load(path: str) -> LoadedModel:
         name = _hf_name(t.name)
         if name is None:
             continue
-        w = f.dequantize(t)
+        w = _packed(f, t) if t.ggml_type in BY_GGML_TYPE and len(t.shape) == 2 else f.dequantize(t)
         sd[name] = _unpermute(name, w, cfg) if cfg.architecture in PERMUTED_ARCHS else w
     tied = "lm_head.weight" not in sd
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied,
@@ -92,12 +95,23 @@ def _hf_name(name: str) -> str | None:
     return f"{GLOBAL_RENAMES[base]}.{kind}" if base in GLOBAL_RENAMES else None
 
 
-def _unpermute(name: str, w: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    if ".self_attn.q_proj." in name:
-        return interleaved_to_half_rope(w, cfg.num_attention_heads)
-    if ".self_attn.k_proj." in name:
-        return interleaved_to_half_rope(w, cfg.num_key_value_heads)
-    return w
+def _packed(f: GGUFFile, t: Any) -> PackedWeight:
+    """The tensor's blocks as stored (a copy: the model owns its weights, not the file's map)."""
+    n, k = t.shape
+    data = torch.frombuffer(bytearray(f.data[t.offset:t.offset + t.nbytes]), dtype=torch.uint8)
+    return PackedWeight(BY_GGML_TYPE[t.ggml_type], data.reshape(n, -1), (n, k))
+
+
+def _unpermute(name: str, w: Any, cfg: ModelConfig) -> Any:
+    """Q/K rows back from interleaved RoPE pairs; a packed weight's rows move whole."""
+    heads = cfg.num_attention_heads if ".self_attn.q_proj." in name else \
+        cfg.num_key_value_heads if ".self_attn.k_proj." in name else None
+    if heads is None:
+        return w
+    if isinstance(w, PackedWeight):
+        order = interleaved_to_half_rope(torch.arange(w.shape[0]), heads)
+        return w.take_rows(order)
+    return interleaved_to_half_rope(w, heads)
 
 
 def _tokenizer(meta: dict[str, Any], path: str) -> HFTokenizer:

@@ -1,0 +1,273 @@
+// y = x @ W^T with W kept in ggml's block formats, read packed: the decode-time products stream
+// each weight row once (4.5-5 bits a weight instead of 16 or 32), dequantizing in registers.
+//
+//   x [M, K] fp32        W [N, K / 32 * block bytes] uint8, each row its blocks in order
+//   y [M, N] fp32        bias [N] fp32 or absent
+//
+// Formats (ggml type ids), 32 weights a block:
+//   Q8_0 (8)  fp16 d, 32 int8 q              w = d * q
+//   Q4_0 (2)  fp16 d, 16 bytes of nibbles    w = d * (q - 8)    low nibbles: weights 0..15
+//   Q4_1 (3)  fp16 d, fp16 m, 16 bytes       w = d * q + m      high nibbles: weights 16..31
+// Each weight is dequantized in fp32 exactly as the reference does (one product, and for Q4_1
+// one sum) and multiplied-added in fp32, so the result is dequantize-then-multiply in fp32 up to
+// the order of the sums. Rows of W are split over threads; x is read in groups of up to four
+// rows, so up to four rows read each weight once.
+//
+// Paths: AVX-512 intrinsics (16 weights a register); AVX2 intrinsics (8); a portable loop the
+// compiler vectorizes for baseline x86-64. kvserve/kernels builds this file once per level and
+// picks the best the CPU runs; `isa()` names the build.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cstring>
+#include <string>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
+constexpr int64_t kBlock = 32;
+
+inline int64_t block_bytes(int64_t fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return c10::detail::fp16_ieee_to_fp32_value(h);
+}
+
+// One block's 32 weights in fp32: the reference every path equals.
+template <int FMT>
+inline void dequant_block(const uint8_t* b, float* out) {
+  const float d = half_at(b);
+  if (FMT == kQ8_0) {
+    const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+    for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q[i]);
+  } else if (FMT == kQ4_0) {
+    const uint8_t* q = b + 2;
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>((q[i] & 15) - 8);
+      out[i + 16] = d * static_cast<float>((q[i] >> 4) - 8);
+    }
+  } else {
+    const float m = half_at(b + 2);
+    const uint8_t* q = b + 4;
+    for (int i = 0; i < 16; ++i) {
+      out[i] = d * static_cast<float>(q[i] & 15) + m;
+      out[i + 16] = d * static_cast<float>(q[i] >> 4) + m;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+// The block's weights as two registers of 16.
+template <int FMT>
+inline void weights(const uint8_t* b, __m512& w0, __m512& w1) {
+  const __m512 d = _mm512_set1_ps(half_at(b));
+  if (FMT == kQ8_0) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4)));
+    const __m128i low = _mm_set1_epi8(15);
+    __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
+    __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
+    if (FMT == kQ4_0) {
+      const __m512 eight = _mm512_set1_ps(8.f);
+      w0 = _mm512_mul_ps(d, _mm512_sub_ps(q0, eight));
+      w1 = _mm512_mul_ps(d, _mm512_sub_ps(q1, eight));
+    } else {
+      const __m512 m = _mm512_set1_ps(half_at(b + 2));
+      w0 = _mm512_add_ps(_mm512_mul_ps(d, q0), m);
+      w1 = _mm512_add_ps(_mm512_mul_ps(d, q1), m);
+    }
+  }
+}
+
+template <int FMT, int M>
+inline void dot_row(const uint8_t* row, const float* x, int64_t K, float* out) {
+  const int64_t bb = block_bytes(FMT), nb = K / kBlock;
+  __m512 a0[M], a1[M];
+  for (int m = 0; m < M; ++m) a0[m] = a1[m] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < nb; ++j) {
+    __m512 w0, w1;
+    weights<FMT>(row + j * bb, w0, w1);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + j * kBlock;
+      a0[m] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xm), a0[m]);
+      a1[m] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xm + 16), a1[m]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(a0[m], a1[m]));
+}
+#elif defined(__AVX2__)
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// The block's weights as four registers of 8.
+template <int FMT>
+inline void weights(const uint8_t* b, __m256* w) {
+  const __m256 d = _mm256_set1_ps(half_at(b));
+  if (FMT == kQ8_0) {
+    for (int i = 0; i < 4; ++i) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
+      w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
+    }
+  } else {
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4)));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    const __m256 m = _mm256_set1_ps(FMT == kQ4_1 ? half_at(b + 2) : 0.f);
+    const __m256 eight = _mm256_set1_ps(8.f);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+      w[i] = FMT == kQ4_0 ? _mm256_mul_ps(d, _mm256_sub_ps(qf, eight)) : _mm256_add_ps(_mm256_mul_ps(d, qf), m);
+    }
+  }
+}
+
+template <int FMT, int M>
+inline void dot_row(const uint8_t* row, const float* x, int64_t K, float* out) {
+  const int64_t bb = block_bytes(FMT), nb = K / kBlock;
+  __m256 a[M][2];
+  for (int m = 0; m < M; ++m) a[m][0] = a[m][1] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < nb; ++j) {
+    __m256 w[4];
+    weights<FMT>(row + j * bb, w);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + j * kBlock;
+      for (int i = 0; i < 4; ++i) a[m][i & 1] = _mm256_fmadd_ps(w[i], _mm256_loadu_ps(xm + 8 * i), a[m][i & 1]);
+    }
+  }
+  for (int m = 0; m < M; ++m) out[m] = hsum(_mm256_add_ps(a[m][0], a[m][1]));
+}
+#else
+template <int FMT, int M>
+inline void dot_row(const uint8_t* row, const float* x, int64_t K, float* out) {
+  const int64_t bb = block_bytes(FMT), nb = K / kBlock;
+  float acc[M][kBlock] = {};
+  float w[kBlock];
+  for (int64_t j = 0; j < nb; ++j) {
+    dequant_block<FMT>(row + j * bb, w);
+    for (int m = 0; m < M; ++m) {
+      const float* xm = x + m * K + j * kBlock;
+      for (int i = 0; i < kBlock; ++i) acc[m][i] += w[i] * xm[i];
+    }
+  }
+  for (int m = 0; m < M; ++m) {
+    float s = 0.f;
+    for (int i = 0; i < kBlock; ++i) s += acc[m][i];
+    out[m] = s;
+  }
+}
+#endif
+
+// M rows of x (M <= 4) against every row of W.
+template <int FMT, int M>
+void linear_rows(const float* x, const uint8_t* w, const float* bias, float* y, int64_t N, int64_t K,
+                 int64_t ldy) {
+  const int64_t row_bytes = K / kBlock * block_bytes(FMT);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float out[M];
+    for (int64_t n = begin; n < end; ++n) {
+      dot_row<FMT, M>(w + n * row_bytes, x, K, out);
+      const float b = bias ? bias[n] : 0.f;
+      for (int m = 0; m < M; ++m) y[m * ldy + n] = out[m] + b;
+    }
+  });
+}
+
+template <int FMT>
+void linear_fmt(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = x + m0 * K;
+    float* ym = y + m0 * N;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: linear_rows<FMT, 1>(xm, w, bias, ym, N, K, N); break;
+      case 2: linear_rows<FMT, 2>(xm, w, bias, ym, N, K, N); break;
+      case 3: linear_rows<FMT, 3>(xm, w, bias, ym, N, K, N); break;
+      default: linear_rows<FMT, 4>(xm, w, bias, ym, N, K, N); break;
+    }
+  }
+}
+
+template <int FMT>
+void dequantize_fmt(const uint8_t* w, float* out, int64_t N, int64_t K) {
+  const int64_t nb = K / kBlock, bb = block_bytes(FMT);
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t j = 0; j < nb; ++j) dequant_block<FMT>(w + (n * nb + j) * bb, out + n * K + j * kBlock);
+  });
+}
+
+void check(const torch::Tensor& w, int64_t fmt, int64_t K) {
+  TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "format must be Q8_0 (8), Q4_0 (2) or Q4_1 (3)");
+  TORCH_CHECK(K > 0 && K % kBlock == 0, "K must be a positive multiple of 32");
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
+              "W: contiguous uint8 [N, K / 32 * block bytes] on CPU");
+  TORCH_CHECK(w.size(1) == K / kBlock * block_bytes(fmt), "W's rows do not hold K weights of this format");
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+torch::Tensor linear_quant(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, c10::optional<torch::Tensor> bias) {
+  check(w, fmt, K);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
+              "x: fp32 [M, K] on CPU");
+  auto xc = x.contiguous();
+  const int64_t M = x.size(0), N = w.size(0);
+  const float* b = nullptr;
+  torch::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bc.numel() == N, "bias [N]");
+    b = bc.data_ptr<float>();
+  }
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const float* xp = xc.data_ptr<float>();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  if (fmt == kQ8_0) linear_fmt<kQ8_0>(xp, wp, b, yp, M, N, K);
+  else if (fmt == kQ4_0) linear_fmt<kQ4_0>(xp, wp, b, yp, M, N, K);
+  else linear_fmt<kQ4_1>(xp, wp, b, yp, M, N, K);
+  return y;
+}
+
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K) {
+  check(w, fmt, K);
+  auto out = torch::empty({w.size(0), K}, torch::dtype(at::kFloat));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  float* op = out.data_ptr<float>();
+  if (fmt == kQ8_0) dequantize_fmt<kQ8_0>(wp, op, w.size(0), K);
+  else if (fmt == kQ4_0) dequantize_fmt<kQ4_0>(wp, op, w.size(0), K);
+  else dequantize_fmt<kQ4_1>(wp, op, w.size(0), K);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction-set level this build was compiled for");
+  m.def("linear_quant", &linear_quant, "fp32 x @ W^T (+ bias), W packed in Q8_0 / Q4_0 / Q4_1 blocks (CPU)");
+  m.def("dequantize", &dequantize, "W packed in Q8_0 / Q4_0 / Q4_1 blocks as fp32 [N, K] (CPU)");
+}

@@ -1,0 +1,166 @@
+"""Weights kept in GGUF's block formats (Q8_0, Q4_0, Q4_1): 32 weights a block with an fp16
+scale (and for Q4_1 an fp16 minimum), 8.5, 4.5 and 5 bits a weight, instead of 32 or 16.
+
+Decode is bound by reading the weights, so `PackedLinear` multiplies a few rows of activations
+by the packed weight directly (kernels/csrc/linear_quant.cpp: each row of W streamed once and
+dequantized in registers); for many rows (prefill, big batches) it dequantizes the weight to the
+activations' dtype and runs the dense GEMM, whose cost then dominates. `PackedEmbedding` looks
+up packed rows and dequantizes only those. Both give what dequantizing the whole weight to fp32
+and multiplying gives, up to the order of the sums.
+
+`quantize` packs float weights (`--weight-dtype int8` -> Q8_0, `int4` -> Q4_1) the way llama.cpp's
+reference quantizers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve import kernels
+
+BLOCK = 32
+FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml_type: int
+    block_bytes: int
+
+    def row_bytes(self, k: int) -> int:
+        return k // BLOCK * self.block_bytes
+
+
+FORMATS = {f.name: f for f in (BlockFormat("q8_0", 8, 34), BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20))}
+BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+
+
+@dataclass
+class PackedWeight:
+    """A [N, K] weight as its packed rows: data uint8 [N, K / 32 * block bytes]."""
+    fmt: BlockFormat
+    data: torch.Tensor
+    shape: tuple[int, int]
+
+    def __post_init__(self) -> None:
+        n, k = self.shape
+        if k % BLOCK or tuple(self.data.shape) != (n, self.fmt.row_bytes(k)) or self.data.dtype != torch.uint8:
+            raise ValueError(f"packed {self.fmt.name} weight {self.shape}: data {tuple(self.data.shape)} "
+                             f"{self.data.dtype} does not hold it")
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel()
+
+    def take_rows(self, index: torch.Tensor) -> "PackedWeight":
+        return PackedWeight(self.fmt, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.data, self.fmt, self.shape[1])
+
+
+def _kernel() -> Optional[Any]:
+    return kernels.load("linear_quant")
+
+
+def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int) -> torch.Tensor:
+    """Packed rows [N, row bytes] -> fp32 [N, k]: the compiled kernel on CPU, else torch."""
+    if data.device.type == "cpu" and (kernel := _kernel()) is not None:
+        return kernel.dequantize(data.contiguous(), fmt.ggml_type, k)  # type: ignore[no-any-return]
+    return dequantize_torch(data, fmt, k)
+
+
+def _half(b: torch.Tensor) -> torch.Tensor:
+    """fp16 values from their two little-endian bytes [..., 2], as fp32."""
+    return b.contiguous().view(torch.float16).float()
+
+
+def dequantize_torch(data: torch.Tensor, fmt: BlockFormat, k: int) -> torch.Tensor:
+    n = data.shape[0]
+    blocks = data.reshape(n, k // BLOCK, fmt.block_bytes)
+    d = _half(blocks[..., 0:2])  # [n, nb, 1]
+    if fmt.name == "q8_0":
+        q = blocks[..., 2:].contiguous().view(torch.int8).float()
+        return (d * q).reshape(n, k)
+    qs = blocks[..., -16:]
+    q = torch.cat([qs & 15, qs >> 4], dim=-1).float()  # low nibbles: weights 0..15, high: 16..31
+    if fmt.name == "q4_0":
+        return (d * (q - 8)).reshape(n, k)
+    return (d * q + _half(blocks[..., 2:4])).reshape(n, k)
+
+
+def quantize(w: torch.Tensor, fmt: BlockFormat) -> PackedWeight:
+    """Float [N, K] -> packed blocks: Q8_0 d = max|w| / 127, q = round(w / d); Q4_1 d =
+    (max - min) / 15, m = min, q = round((w - m) / d); Q4_0 d = w of largest |w| / -8,
+    q = clamp(round(w / d) + 8, 0, 15). The scales are stored as fp16, and q is computed
+    from them as stored, so dequantizing gives back what the kernel multiplies by."""
+    n, k = w.shape
+    if k % BLOCK:
+        raise ValueError(f"a {fmt.name} weight needs K divisible by {BLOCK}, got {k}")
+    x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
+    as_bytes = lambda t: t.to(torch.float16).unsqueeze(-1).view(torch.uint8)  # noqa: E731  [n, nb, 2]
+    if fmt.name == "q8_0":
+        d = (x.abs().amax(-1) / 127).to(torch.float16).float()
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(x * inv.unsqueeze(-1)).clamp(-127, 127).to(torch.int8).view(torch.uint8)
+        blocks = torch.cat([as_bytes(d), q], dim=-1)
+    else:
+        if fmt.name == "q4_1":
+            lo, hi = x.amin(-1), x.amax(-1)
+            d = ((hi - lo) / 15).to(torch.float16).float()
+            m = lo.to(torch.float16).float()
+            inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+            q = torch.round((x - m.unsqueeze(-1)) * inv.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
+            head = torch.cat([as_bytes(d), as_bytes(m)], dim=-1)
+        else:
+            idx = x.abs().argmax(-1, keepdim=True)
+            d = (x.gather(-1, idx).squeeze(-1) / -8).to(torch.float16).float()
+            inv = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+            q = (torch.round(x * inv.unsqueeze(-1)) + 8).clamp(0, 15).to(torch.uint8)
+            head = as_bytes(d)
+        blocks = torch.cat([head, q[..., :16] | (q[..., 16:] << 4)], dim=-1)
+    return PackedWeight(fmt, blocks.reshape(n, -1).contiguous(), (n, k))
+
+
+class PackedLinear(nn.Module):
+    """nn.Linear over a packed weight (bias, if any, in the model's dtype)."""
+
+    def __init__(self, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> None:
+        super().__init__()
+        self.fmt = packed.fmt
+        self.out_features, self.in_features = packed.shape
+        self.register_buffer("qweight", packed.data, persistent=False)
+        self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead, k = x.shape[:-1], self.in_features
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and (kernel := _kernel()) is not None:
+            y = kernel.linear_quant(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
+        else:
+            w = dequantize(self.qweight, self.fmt, k).to(x.dtype)
+            y = F.linear(x2, w, self.bias)
+        return y.reshape(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+
+class PackedEmbedding(nn.Module):
+    """nn.Embedding over a packed table: the looked-up rows are dequantized, to `dtype`."""
+
+    def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.fmt, self.dtype = packed.fmt, dtype
+        self.num_embeddings, self.embedding_dim = packed.shape
+        self.register_buffer("qweight", packed.data, persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.qweight[ids.reshape(-1)]
+        return dequantize(rows, self.fmt, self.embedding_dim).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
