@@ -164,3 +164,55 @@ class PackedEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
         return dequantize(rows, self.fmt, self.embedding_dim).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+class FusedPacked(nn.Module):
+    """Several packed linears that read the same input (q, k and v; gate and up), multiplied as
+    one: their rows concatenated, the input streamed through the kernel once, one call instead
+    of several. The originals become `FusedPart`s taking their columns of the shared product;
+    the first part computes it, the last one lets it go."""
+
+    def __init__(self, parts: list[PackedLinear]) -> None:
+        super().__init__()
+        self.fused = PackedLinear(PackedWeight(parts[0].fmt, torch.cat([p.qweight for p in parts]),
+                                               (sum(p.out_features for p in parts), parts[0].in_features)),
+                                  torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None)
+        self.num_parts = len(parts)
+        self._input: Optional[torch.Tensor] = None
+        self._output: Optional[torch.Tensor] = None
+        self._left = 0
+
+    def product(self, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x or self._left == 0:
+            self._input, self._output, self._left = x, self.fused(x), self.num_parts
+        out = self._output
+        self._left -= 1
+        if self._left == 0:
+            self._input = self._output = None
+        assert out is not None
+        return out
+
+
+class FusedPart(nn.Module):
+    def __init__(self, group: FusedPacked, start: int, end: int) -> None:
+        super().__init__()
+        self.group = [group]  # not a submodule: the layer holds the group once
+        self.start, self.end = start, end
+        self.in_features, self.out_features = group.fused.in_features, end - start
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group[0].product(x)[..., self.start:self.end]
+
+
+def fuse(owner: nn.Module, names: list[str]) -> None:
+    """Fuse owner's packed linears `names` (same input, format and bias presence) in place."""
+    parts = [getattr(owner, n) for n in names]
+    if not all(isinstance(p, PackedLinear) for p in parts) or len({(p.fmt, p.in_features, p.bias is None)
+                                                                   for p in parts}) != 1:
+        return
+    group = FusedPacked(parts)
+    setattr(owner, "fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
+    start = 0
+    for n, p in zip(names, parts):
+        setattr(owner, n, FusedPart(group, start, start + p.out_features))
+        start += p.out_features

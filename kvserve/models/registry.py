@@ -16,7 +16,7 @@ from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
-from kvserve.models.packed import BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, quantize
+from kvserve.models.packed import BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
@@ -137,6 +137,10 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
                              f"unexpected {unexpected[:5]}")
     for name, p in packed.items():
         _adopt_packed(model, name.removesuffix(".weight"), p, dtype)
+    for layer in model.model.layers:  # one kernel call for q, k, v and one for gate, up
+        fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"])
+        if hasattr(layer.mlp, "gate_proj"):
+            fuse(layer.mlp, ["gate_proj", "up_proj"])
     if tied:
         embed = model.model.embed_tokens
         model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim))) \

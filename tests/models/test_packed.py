@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.models.packed import PackedEmbedding, PackedLinear
+from kvserve.models.packed import FusedPart, PackedEmbedding, PackedLinear
 from tests.conftest import make_engine, run_collecting_logits
 
 GOLDEN = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
@@ -19,6 +19,7 @@ def test_smollm2_packed_equals_dequantized_fp32(smollm2):
     dense = make_engine(smollm2, max_model_len=512, weight_dtype="float32")
     m = packed.model
     assert isinstance(m.model.layers[0].mlp.down_proj, PackedLinear) and m.model.layers[0].mlp.down_proj.fmt.name == "q4_1"
+    assert m.model.layers[0].mlp.fused_gate_up.fused.out_features == 2 * 1536  # gate and up: one call
     assert isinstance(m.model.embed_tokens, PackedEmbedding) and m.model.embed_tokens.fmt.name == "q8_0"
     assert m.lm_head.qweight.data_ptr() == m.model.embed_tokens.qweight.data_ptr()  # tied: one table
     held = sum(b.numel() for b in m.buffers() if b.dtype == torch.uint8)
@@ -41,7 +42,8 @@ def test_float_weights_packed_at_load(stories, weight_dtype, fmt, bound):
     error of the float model's (observed: int8 0.7%, int4 ~5% relative), int8 greedy unchanged."""
     packed = make_engine(stories, max_model_len=256, weight_dtype=weight_dtype)
     layer = packed.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, PackedLinear) and layer.self_attn.q_proj.fmt.name == fmt
+    fused = layer.self_attn.fused_q_k_v.fused  # q, k and v packed, then fused into one product
+    assert isinstance(layer.self_attn.q_proj, FusedPart) and fused.fmt.name == fmt and fused.out_features == 128
     assert not isinstance(layer.mlp.down_proj, PackedLinear)
     prompts = ["Once upon a time", "Lily and Tom went to the park"]
     params = SamplingParams(temperature=0, max_tokens=20)

