@@ -32,8 +32,9 @@ def _pyplot() -> Any:
     return plt
 
 
-def rate_over_time(times: Sequence[float], counts: Sequence[int], bins: int = 40) -> tuple[list[float], list[float]]:
-    """Tokens/s in equal time bins from a cumulative (time, tokens) series."""
+def rate_over_time(timeline: Sequence[Sequence[float]], bins: int = 40) -> tuple[list[float], list[float]]:
+    """Tokens/s in equal time bins from a cumulative [(seconds, tokens so far)] series."""
+    times, counts = [t for t, _ in timeline], [n for _, n in timeline]
     if len(times) < 2 or times[-1] <= 0:
         return [], []
     width = times[-1] / bins
@@ -50,7 +51,7 @@ def rate_over_time(times: Sequence[float], counts: Sequence[int], bins: int = 40
 
 
 def latency_figure(path: str, title: str, latencies: dict[str, dict[str, list[float]]],
-                   timelines: dict[str, tuple[list[float], list[int]]]) -> None:
+                   timelines: dict[str, Sequence[Sequence[float]]]) -> None:
     """One histogram per latency (TTFT, TPOT, ...: milliseconds) with every contender on it, and
     output tokens/s over the run below."""
     plt = _pyplot()
@@ -66,8 +67,8 @@ def latency_figure(path: str, title: str, latencies: dict[str, dict[str, list[fl
     for k in range(len(metrics), axes.shape[1]):
         axes[0][k].axis("off")
     ax = plt.subplot2grid((2, axes.shape[1]), (1, 0), colspan=axes.shape[1], fig=fig)
-    for i, (name, (times, counts)) in enumerate(timelines.items()):
-        xs, ys = rate_over_time(times, counts)
+    for i, (name, timeline) in enumerate(timelines.items()):
+        xs, ys = rate_over_time(timeline)
         ax.plot(xs, ys, color=COLOURS[i % len(COLOURS)], label=name, drawstyle="steps-mid")
     _labels(ax, "output tokens/s over the run", "seconds since start", "tokens/s")
     _save(plt, fig, path, title)

@@ -155,6 +155,6 @@ def run_serve_bench(a: ServeBenchOptions) -> int:
         s = summary["samples"]
         latency_figure(a.plot, f"bench serve: {a.num_prompts} requests at {a.request_rate} req/s, {a.url}",
                        {"kvserve": {"ttft": s["ttft_ms"], "tpot": s["tpot_ms"], "itl": s["itl_ms"]}},
-                       {"kvserve": ([t for t, _ in s["timeline"]], [n for _, n in s["timeline"]])})
+                       {"kvserve": s["timeline"]})
         print(f"figure: {a.plot}")
     return 0 if summary["failed_requests"] == 0 else 1

@@ -155,8 +155,7 @@ def run_throughput(model: str, engine_options: dict[str, Any], o: ThroughputOpti
         runs = {"kvserve": ours, **({"HF generate": result["hf"]} if "hf" in result else {})}
         latency_figure(o.plot, f"bench throughput: {o.num_prompts} requests, {model}",
                        {k: {"ttft": r["samples"]["ttft_ms"], "tpot": r["samples"]["tpot_ms"]} for k, r in runs.items()},
-                       {k: ([t for t, _ in r["samples"]["timeline"]], [n for _, n in r["samples"]["timeline"]])
-                        for k, r in runs.items()})
+                       {k: r["samples"]["timeline"] for k, r in runs.items()})
         print(f"figure: {o.plot}")
     return 0
 

@@ -54,24 +54,16 @@ class PackedWeight:
             raise ValueError(f"packed {self.fmt.name} weight {self.shape}: data {tuple(self.data.shape)} "
                              f"{self.data.dtype} does not hold it")
 
-    @property
-    def nbytes(self) -> int:
-        return self.data.numel()
-
     def take_rows(self, index: torch.Tensor) -> "PackedWeight":
         return PackedWeight(self.fmt, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.fmt, self.shape[1])
+        return dequantize(self.data, self.fmt, self.shape[1], kernels.load("linear_quant"))
 
 
-def _kernel() -> Optional[Any]:
-    return kernels.load("linear_quant")
-
-
-def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int) -> torch.Tensor:
+def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int, kernel: Optional[Any]) -> torch.Tensor:
     """Packed rows [N, row bytes] -> fp32 [N, k]: the compiled kernel on CPU, else torch."""
-    if data.device.type == "cpu" and (kernel := _kernel()) is not None:
+    if data.device.type == "cpu" and kernel is not None:
         return kernel.dequantize(data.contiguous(), fmt.ggml_type, k)  # type: ignore[no-any-return]
     return dequantize_torch(data, fmt, k)
 
@@ -137,14 +129,15 @@ class PackedLinear(nn.Module):
         self.out_features, self.in_features = packed.shape
         self.register_buffer("qweight", packed.data, persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
+        self.kernel = kernels.load("linear_quant")  # chosen once, not on every product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
-        if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and (kernel := _kernel()) is not None:
-            y = kernel.linear_quant(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
+        if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and self.kernel is not None:
+            y = self.kernel.linear_quant(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
         else:
-            w = dequantize(self.qweight, self.fmt, k).to(x.dtype)
+            w = dequantize(self.qweight, self.fmt, k, self.kernel).to(x.dtype)
             y = F.linear(x2, w, self.bias)
         return y.reshape(*lead, self.out_features)
 
@@ -160,10 +153,11 @@ class PackedEmbedding(nn.Module):
         self.fmt, self.dtype = packed.fmt, dtype
         self.num_embeddings, self.embedding_dim = packed.shape
         self.register_buffer("qweight", packed.data, persistent=False)
+        self.kernel = kernels.load("linear_quant")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
-        return dequantize(rows, self.fmt, self.embedding_dim).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return dequantize(rows, self.fmt, self.embedding_dim, self.kernel).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 class FusedPacked(nn.Module):

@@ -141,12 +141,11 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
         fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"])
         if hasattr(layer.mlp, "gate_proj"):
             fuse(layer.mlp, ["gate_proj", "up_proj"])
-    if tied:
-        embed = model.model.embed_tokens
-        model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim))) \
-            if isinstance(embed, PackedEmbedding) else model.lm_head
-        if not isinstance(embed, PackedEmbedding):
-            model.lm_head.weight = embed.weight
+    embed = model.model.embed_tokens
+    if tied and isinstance(embed, PackedEmbedding):  # the head reads the embedding's packed table
+        model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim)))
+    elif tied:
+        model.lm_head.weight = embed.weight
     model.to(device)
     model.init_rope(max_len)
     return model.eval()

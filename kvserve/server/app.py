@@ -356,8 +356,15 @@ async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], par
         for _, stream in started:
             await stream.aclose()  # type: ignore[attr-defined]
     bodies = [f.full(out) for f, out in zip(fmts, outs)]
-    usage = {k: sum(b["usage"][k] for b in bodies) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
-    return {**bodies[0], "choices": [c for b in bodies for c in b["choices"]], "usage": usage}
+    return {**bodies[0], "choices": [c for b in bodies for c in b["choices"]],
+            "usage": _summed_usage([b["usage"] for b in bodies])}
+
+
+def _summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """One usage for several prompts' requests: every count summed."""
+    total = {k: sum(u[k] for u in usages) for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+    cached = sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+    return {**total, "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 @dataclasses.dataclass
@@ -424,11 +431,7 @@ async def _sse(parts: list[_Part], request: Request, include_usage: bool) -> Asy
                     yield _event(p.fmt.chunk([p.fmt.ended(i, "error") for i in range(p.fmt.n(p.first))]))
                 yield _event({"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}})
         if include_usage:
-            usages = [p.fmt.usage(p.last) for p in parts if p.last is not None]
-            usage = {**usages[0], **{k: sum(u[k] for u in usages)
-                                     for k in ("prompt_tokens", "completion_tokens", "total_tokens")}}
-            usage["prompt_tokens_details"] = {"cached_tokens": sum(u["prompt_tokens_details"]["cached_tokens"]
-                                                                   for u in usages)}
+            usage = _summed_usage([p.fmt.usage(p.last) for p in parts if p.last is not None])
             yield _event(parts[0].fmt.chunk([], usage=usage))
         yield "data: [DONE]\n\n"
     finally:

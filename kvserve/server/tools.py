@@ -177,7 +177,8 @@ class ToolCallParser:
         args = arguments if isinstance(arguments, str) else json.dumps(arguments)
         call = {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": args}}
         self.calls.append(call)
-        return [{"index": len(self.calls) - 1, **json.loads(json.dumps(call))}]
+        # the delta is a copy: a named call's later pieces extend the arguments of `call` itself
+        return [{"index": len(self.calls) - 1, **call, "function": dict(call["function"])}]
 
 
 def _as_call(text: str, names: set[str]) -> Optional[tuple[str, Any]]:

@@ -48,10 +48,11 @@ def default_small_model() -> Optional[str]:
     return None
 
 
-def record_scenario(model: str, **options: Any) -> list[dict[str, Any]]:
+def record_scenario(model: str, trace_path: Optional[str] = None, **options: Any) -> list[dict[str, Any]]:
+    """The scenario's trace (also written to trace_path, as --trace writes one)."""
     from kvserve.engine.args import make_engine
     engine = make_engine(model, **{**SCENARIO_OPTIONS, **options})
-    engine.trace = trace = StepTrace(engine)
+    engine.trace = trace = StepTrace(engine, trace_path)
     pending = list(SCENARIO)
     step = 0
     while pending or engine.has_unfinished():
@@ -61,6 +62,7 @@ def record_scenario(model: str, **options: Any) -> list[dict[str, Any]]:
         if engine.has_unfinished():
             engine.step()
         step += 1
+    trace.close()
     return trace.records
 
 
@@ -80,9 +82,7 @@ def visualize(out: str, model: Optional[str] = None, trace: Optional[str] = None
         model = model or default_small_model()
         if model is None:
             raise FileNotFoundError("stories260K is not in ../shared/models: name a model with --model")
-        records = record_scenario(model)
-        if save_trace:
-            Path(save_trace).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+        records = record_scenario(model, save_trace)
     Path(out).write_text(render(records), encoding="utf-8")
     return summarize(records)
 
