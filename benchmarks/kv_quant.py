@@ -68,10 +68,11 @@ def fill_contexts(engine: LLMEngine, batch: int, length: int, seed: int = 0) -> 
         inp = runner.prepare_step(out)
         if inp is not None:
             T = len(inp.input_ids)
+            ctx = runner.context(inp.common)
             for layer in range(c.num_hidden_layers):
                 k = torch.randn(T, c.num_key_value_heads, c.head_dim, generator=g)
                 v = torch.randn(T, c.num_key_value_heads, c.head_dim, generator=g)
-                storage.write(layer, k, v, inp.ctx.metadata[runner.layout.layer_group[layer]].kv_write_plan)
+                storage.write(layer, k, v, ctx.metadata[runner.layout.layer_group[layer]].kv_write_plan)
         sched.update(out, ModelRunnerOutput({s.request_id: [7] for s in out.scheduled if s.num_samples}))
 
 

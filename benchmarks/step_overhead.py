@@ -51,7 +51,11 @@ def measure(context: int) -> dict:
         from kvserve.sampling_params import SamplingParams
     engine = tiny_engine(context + 2 * NUM_STEPS + 16)
     sched, runner = engine.scheduler, engine.runner
-    prepare = runner.prepare_step if hasattr(runner, "prepare_step") else (lambda out: runner.prepare(out.scheduled))
+    def prepare(out):  # the inputs and the forward context, as a step builds them
+        if not hasattr(runner, "prepare_step"):  # revisions before prepare_step
+            return runner.prepare(out.scheduled)
+        inp = runner.prepare_step(out)
+        return runner.context(inp.common) if inp is not None and hasattr(runner, "context") else inp
     for i in range(NUM_SEQS):
         engine.add_request(None, [(i * 7 + j) % 500 for j in range(context)],
                            SamplingParams(max_tokens=4 * NUM_STEPS, ignore_eos=True))

@@ -147,13 +147,14 @@ def cmd_chat(a: argparse.Namespace) -> int:
 # ---- memory ----
 def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype: str,
                   block_size: int, dtype: str = "float32", sliding_window: Optional[int] = None,
-                  attention_sinks: int = 0) -> dict[str, Any]:
+                  attention_sinks: int = 0, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """The cache's cost from the same formula the engine sizes its cache by (kvserve.kv.formats),
     and, where layers slide (the model's own windows, or --sliding-window), what a sequence holds
     when each such layer keeps only its window: the engine's cache groups, counted as admission
     counts them."""
     from kvserve.config import CacheConfig
     from kvserve.core.block_math import num_blocks_for
+    from kvserve.distributed.tensor_parallel import shard_config
     from kvserve.kv.formats import check_format, kv_format, mha_bytes_per_token
     from kvserve.kv.sizing import cache_groups
     from kvserve.models.registry import read_model_config
@@ -173,7 +174,12 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
     blocks = num_blocks_for(ctx, block_size)
     residual = fmt.residual_bytes_per_sequence(cfg, block_size, canonical_dtype(dtype))
     fixed = fmt.fixed_bytes(cfg)
+    rank_cfg = shard_config(cfg, tensor_parallel_size)  # what each rank's cache holds
+    rank_per_token = fmt.bytes_per_token(rank_cfg, block_size)
     return {
+        "tensor_parallel_size": tensor_parallel_size, "kv_heads_per_rank": rank_cfg.num_key_value_heads,
+        "bytes_per_token_per_rank": rank_per_token,
+        "paged_total_bytes_per_rank": rank_per_token * block_size * blocks * batch,
         "model": cfg.name, "layers": cfg.num_hidden_layers, "query_heads": cfg.num_attention_heads,
         "kv_heads": cfg.num_key_value_heads, "head_dim": cfg.head_dim, "kv_cache_dtype": fmt.name,
         "bits_per_value": fmt.bits, "metadata_bytes_per_token": fmt.metadata_bytes_per_token(cfg, block_size),
@@ -198,7 +204,7 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 
 def cmd_memory(a: argparse.Namespace) -> int:
     r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype, a.sliding_window,
-                      a.attention_sinks)
+                      a.attention_sinks, a.tensor_parallel_size)
     if a.json:
         print(json.dumps(r))
         return 0
@@ -223,6 +229,12 @@ def cmd_memory(a: argparse.Namespace) -> int:
         print(f"with sliding layers ({kinds}; window {r['sliding_window']}{sinks}), a sliding layer keeps "
               f"only its window's blocks: {_human(r['sequence_bytes'])} per sequence, "
               f"{_human(r['windowed_total_bytes'])} in all ({r['paged_total_bytes'] / r['windowed_total_bytes']:.1f}x less)")
+    if r["tensor_parallel_size"] > 1:
+        tp, per_rank = r["tensor_parallel_size"], r["bytes_per_token_per_rank"]
+        replicated = tp * r["kv_heads_per_rank"] > r["kv_heads"]
+        print(f"tensor parallel {tp}: each rank holds {r['kv_heads_per_rank']} KV head(s)"
+              f"{' (replicated: fewer KV heads than ranks)' if replicated else ''}, {per_rank:,.0f} bytes per token, "
+              f"{_human(r['paged_total_bytes_per_rank'])} per rank for this context and batch")
     return 0
 
 
@@ -357,6 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--block-size", type=int, default=16)
     m.add_argument("--sliding-window", type=int, default=None, help="window every layer (see kvserve generate)")
     m.add_argument("--attention-sinks", type=int, default=0)
+    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="also what each of N tensor-parallel ranks holds")
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_memory)
     e = sub.add_parser("eval", help="evaluations through the real cache")

@@ -224,6 +224,27 @@ class SpeculativeConfig:
             raise ValueError(f"speculative disable batch size must be >= 0, got {self.disable_batch_size}")
 
 
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: the model's heads and MLP columns split over tensor_parallel_size
+    processes (ranks), each holding its share of the weights and of every cache block. Workers
+    are started by multiprocessing on this machine ("mp") or as Ray actors ("ray"), which Ray
+    may place on other machines."""
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor parallel size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed executor backend must be one of {EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "SmolLM2-135M-Instruct"
@@ -236,6 +257,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_stats_interval_s: Optional[float] = None
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
     linear_backend: str = "auto"  # auto: few-row bf16 products on CPU through the compiled kernel

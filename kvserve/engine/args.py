@@ -11,7 +11,7 @@ from dataclasses import fields
 from typing import Any, Type, TypeVar
 
 from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS, WEIGHT_DTYPES, CacheConfig,
-                            EngineConfig, SchedulerConfig, SpeculativeConfig)
+                            EngineConfig, EXECUTOR_BACKENDS, ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
@@ -24,19 +24,21 @@ T = TypeVar("T")
 def engine_config(model: str = DEFAULT_MODEL, **options: Any) -> EngineConfig:
     """Flat keyword options (as the CLI and `LLM(...)` take them) -> the config tree; an unknown
     option is a TypeError naming it."""
-    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "speculative": {}, "engine": {}}
+    parts: dict[str, dict[str, Any]] = {"cache": {}, "scheduler": {}, "speculative": {}, "parallel": {},
+                                        "engine": {}}
     targets = {"cache": CacheConfig, "scheduler": SchedulerConfig, "speculative": SpeculativeConfig,
-               "engine": EngineConfig}
+               "parallel": ParallelConfig, "engine": EngineConfig}
     for key, value in options.items():
         key = OPTION_ALIASES.get(key, key)
         owner = next((name for name, cls in targets.items()
                       if key in {f.name for f in fields(cls)}), None)
-        if owner is None or key in ("cache", "scheduler", "speculative", "model"):
+        if owner is None or key in ("cache", "scheduler", "speculative", "parallel", "model"):
             raise TypeError(f"unknown engine option {key!r}")
         parts[owner][key] = value
     return EngineConfig(model=model, cache=CacheConfig(**parts["cache"]),
                         scheduler=SchedulerConfig(**parts["scheduler"]),
-                        speculative=SpeculativeConfig(**parts["speculative"]), **parts["engine"])
+                        speculative=SpeculativeConfig(**parts["speculative"]),
+                        parallel=ParallelConfig(**parts["parallel"]), **parts["engine"])
 
 
 def make_engine(model: str = DEFAULT_MODEL, **options: Any):  # type: ignore[no-untyped-def]
@@ -93,6 +95,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="no guessing while more requests than this run (it costs more than it saves)")
     g.add_argument("--trace", default=None, metavar="FILE",
                    help="record what every step does to the cache (JSON lines; kvserve visualize --trace draws it)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model's heads and MLP over N processes (gloo on CPU, NCCL on CUDA); "
+                        "each holds 1/N of the weights and of every cache block")
+    g.add_argument("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+                   help="how tensor-parallel workers start: mp (processes on this machine) or ray "
+                        "(Ray actors, on the machines of a running Ray cluster)")
     g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
                    help="bf16 linear layers on 1-4 rows: the compiled CPU kernel (auto, where the CPU "
                         "has AVX512-BF16) or torch")
@@ -113,7 +121,8 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         attention_sinks=a.attention_sinks, attention_backend=a.attention_backend,
         linear_backend=a.linear_backend, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
-        speculative_disable_batch_size=a.speculative_disable_batch_size, trace=a.trace)
+        speculative_disable_batch_size=a.speculative_disable_batch_size, trace=a.trace,
+        tensor_parallel_size=a.tensor_parallel_size, distributed_executor_backend=a.distributed_executor_backend)
     if a.kv_cache_memory is not None:
         if 0 < a.kv_cache_memory <= 1:
             opts["kv_cache_memory_fraction"] = a.kv_cache_memory

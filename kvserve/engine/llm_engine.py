@@ -23,6 +23,8 @@ from kvserve.engine.args import engine_config
 from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.trace import StepTrace
+from kvserve.distributed import workers
+from kvserve.distributed.tensor_parallel import CommStats, check_shardable, install_row_parallel, shard_weights
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
@@ -73,6 +75,33 @@ class EngineStats:
     num_evictions: int = 0  # cached blocks whose hash was dropped to reuse them
 
 
+def allocate_cache(config: EngineConfig, model: ModelConfig, plan: CachePlan, layer_tensor: Sequence[int],
+                   device: str) -> tuple[KVStorage, Optional[KVStorage]]:
+    """The cache (the pool's blocks and the null block) of the KV heads `model` holds and, for
+    swap preemption, its CPU pool."""
+    fmt = plan.kv_format
+    args = (fmt.kind, fmt.name, layer_tensor)
+    shape = (plan.block_size, model.num_key_value_heads, model.head_dim, getattr(torch, config.dtype))
+    cache = make_storage(*args, plan.num_blocks + 1, *shape, device, plan.num_residual_slots)
+    swap = None
+    if config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
+        swap = make_storage(*args, plan.num_cpu_blocks, *shape, "cpu", plan.num_residual_slots)
+    return cache, swap
+
+
+def check_tensor_parallel(config: EngineConfig, model: ModelConfig) -> None:
+    """What tensor parallelism does not serve yet, refused by name."""
+    world = config.parallel.tensor_parallel_size
+    if world == 1:
+        return
+    check_shardable(model, world)
+    if config.kv_cache_dtype.startswith("fp8"):
+        raise ValueError("fp8 KV caches are not served with tensor parallelism yet (their per-head scales "
+                         "are calibrated on the whole model): use int8, int4 or a float kv cache dtype")
+    if not config.use_cache:
+        raise ValueError("tensor parallelism needs the KV cache (--no-cache is the single-process reference)")
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
         """`loaded` lets several engines share weights already read from disk."""
@@ -92,7 +121,14 @@ class LLMEngine:
             host_memory.keep_freed_memory()
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
-        self.model = build_model(loaded, dtype, config.device, self.max_model_len, config.weight_dtype)
+        world = config.parallel.tensor_parallel_size
+        check_tensor_parallel(config, loaded.config)
+        shard = shard_weights(loaded, 0, world)  # rank 0's share (the whole model at size 1)
+        self.shard_config = shard.config  # what this rank's layers and cache hold
+        self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype)
+        self.comm = CommStats()
+        if world > 1:
+            install_row_parallel(self.model, self.comm)
         self.model_id = loaded.model_id
         groups = cache_groups(loaded.config, config.cache, self.max_model_len)
         # windows the user asked for on every layer: a constant cache, so no limit on length
@@ -102,9 +138,10 @@ class LLMEngine:
         layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
         sc = config.scheduler
         step_tokens = min(sc.max_num_batched_tokens, sc.max_prefill_chunk or sc.max_num_batched_tokens)
-        self.plan = plan_cache(config.cache, loaded.config, config.kv_cache_dtype, self.max_model_len,
+        self.plan = plan_cache(config.cache, shard.config, config.kv_cache_dtype, self.max_model_len,
                                config.scheduler.max_num_seqs, config.device, groups, config.dtype, step_tokens)
-        self.storage, swap_storage = self._allocate_cache(self.plan, layer_tensor)
+        self.storage, swap_storage = (allocate_cache(config, shard.config, self.plan, layer_tensor, config.device)
+                                      if config.use_cache else (None, None))
         self._set_fp8_scales(self.storage, swap_storage)
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
@@ -118,6 +155,9 @@ class LLMEngine:
                              tuple(g.kind for g in groups))
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
+        # ranks 1..N-1 hear every block move and forward pass before rank 0 runs it
+        self.workers = workers.start(config, loaded, self.plan, layout, layer_tensor, self.comm)
+        self.runner.mirror = self.workers
         self.proposer = self._make_proposer(loaded)
         self.num_spec_proposed = self.num_spec_accepted = 0
         self._spec_window: dict[str, list[int]] = {}  # request -> [guessed, accepted] since last judged
@@ -139,19 +179,11 @@ class LLMEngine:
                      **options: Any) -> "LLMEngine":
         return cls(engine_config(model, **options), loaded)
 
-    def _allocate_cache(self, plan: CachePlan, layer_tensor: Sequence[int]
-                        ) -> tuple[Optional[KVStorage], Optional[KVStorage]]:
-        """The cache (the pool's blocks and the null block) and, for swap preemption, its CPU pool."""
-        if not self.config.use_cache:
-            return None, None
-        c, fmt = self.model_config, plan.kv_format
-        args = (fmt.kind, fmt.name, layer_tensor)
-        shape = (plan.block_size, c.num_key_value_heads, c.head_dim, getattr(torch, self.config.dtype))
-        cache = make_storage(*args, plan.num_blocks + 1, *shape, self.config.device, plan.num_residual_slots)
-        swap = None
-        if self.config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
-            swap = make_storage(*args, plan.num_cpu_blocks, *shape, "cpu", plan.num_residual_slots)
-        return cache, swap
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = self.runner.mirror = None
 
     def _make_proposer(self, loaded: LoadedModel) -> Optional[Proposer]:
         spec = self.config.speculative
@@ -383,7 +415,7 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         plan = self.plan
         return EngineStats(self.scheduler.stats(), plan.block_size, plan.block_bytes, plan.kv_format.name,
-                           plan.kv_format.bytes_per_token(self.model_config, plan.block_size),
+                           plan.kv_format.bytes_per_token(self.shard_config, plan.block_size),
                            plan.total_bytes if self.storage is not None else 0,
                            self.num_spec_proposed, self.num_spec_accepted, self.num_steps, self._last_step_tokens, self.num_generated_tokens,
                            self.num_prompt_tokens_computed, self.kv.blocks_needed(self.max_model_len, 1) * plan.block_bytes,

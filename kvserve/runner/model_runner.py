@@ -14,8 +14,9 @@ step costs the step's tokens and requests, not their contexts.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -36,9 +37,21 @@ from kvserve.runner.sampler import Sampler
 class ModelInput:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    ctx: ForwardContext
+    common: list[AttentionMetadata]  # per cache group, before the storage and backend add theirs
     seqs: list[ScheduledSequence]  # in batch order
     row_ends: list[int]  # one past each sequence's last row
+
+
+class FatalStepError(RuntimeError):
+    """A step failed where it cannot be retried per request (ranks out of step): the engine stops."""
+
+
+class StepMirror(Protocol):
+    """Whatever repeats rank 0's block moves and forward passes elsewhere (the other ranks)."""
+
+    def copies(self, copies: BlockCopies) -> None: ...
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, common: list[AttentionMetadata]) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -90,6 +103,8 @@ class ModelRunner:
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
         # ("sample"): fault injection for tests
         self.fault_hook: Optional[Callable[[str, list[ScheduledSequence]], None]] = None
+        # the other tensor-parallel ranks: told every block move and forward before rank 0 runs it
+        self.mirror: Optional[StepMirror] = None
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
@@ -98,7 +113,14 @@ class ModelRunner:
             return ModelRunnerOutput({})
         if self.fault_hook is not None:
             self.fault_hook("forward", inp.seqs)
-        hidden = self.model(inp.input_ids, inp.positions, inp.ctx)
+        if self.mirror is not None:
+            self.mirror.forward(inp.input_ids, inp.positions, inp.common)
+        try:
+            hidden = self.model(inp.input_ids, inp.positions, self.context(inp.common))
+        except Exception as e:
+            if self.mirror is not None:  # the other ranks are inside the same forward: no retry can follow
+                raise FatalStepError(f"a tensor-parallel forward failed on rank 0: {_failure(e)}") from e
+            raise
         return self._sample(hidden, inp)
 
     def execute_isolated(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
@@ -112,6 +134,8 @@ class ModelRunner:
         self.apply_copies(out.copies)  # blocks move once; a failure here is the cache's, not a request's
         try:
             return self.execute(SchedulerOutput(out.scheduled, BlockCopies([], [], []), out.finished_request_ids)), {}
+        except FatalStepError:
+            raise
         except Exception as e:  # noqa: BLE001 - any failure is bounded to the requests that cause it
             if len(out.scheduled) == 1:
                 self.sampler.restore(saved)
@@ -121,6 +145,8 @@ class ModelRunner:
         for s in out.scheduled:
             try:
                 result = self.execute(SchedulerOutput([s], BlockCopies([], [], []), []))
+            except FatalStepError:
+                raise
             except Exception as e:  # noqa: BLE001
                 errors[s.request_id] = _failure(e)
                 continue
@@ -146,6 +172,8 @@ class ModelRunner:
         """In BlockCopies' order: swap out, forget released blocks, swap in, copy on write."""
         if not copies or self.storage is None:
             return
+        if self.mirror is not None:
+            self.mirror.copies(copies)
         if copies.swap_out:
             assert self.swap_storage is not None
             self.storage.swap_out(self.swap_storage, copies.swap_out)
@@ -179,10 +207,28 @@ class ModelRunner:
         pos = torch.tensor(positions, dtype=torch.long)
         counts = torch.tensor([s.num_tokens for s in ordered], dtype=torch.long)
         self.model.ensure_rope(max(s.context_len for s in ordered))
-        self.storage.begin_step()
-        metadata = [self.backend.build_metadata(self._group_metadata(g, ordered, len(decodes), pos, counts),
-                                                self.storage) for g in range(self.layout.num_groups)]
-        return self._model_input(ids, pos, ForwardContext(self.storage, metadata), ordered)
+        common = [self._group_metadata(g, ordered, len(decodes), pos, counts) for g in range(self.layout.num_groups)]
+        return self._model_input(ids, pos, common, ordered)
+
+    def context(self, common: list[AttentionMetadata]) -> ForwardContext:
+        """The step's forward context from each group's common metadata: the storage plans its
+        writes, the backend adds what it needs. Every tensor-parallel rank does this on its own
+        storage from rank 0's common metadata."""
+        if self.storage is not None:
+            self.storage.begin_step()
+        metadata = []
+        for meta in common:
+            if self.storage is not None:
+                meta = dataclasses.replace(meta, kv_write_plan=self.storage.plan_writes(meta.slot_mapping))
+            metadata.append(self.backend.build_metadata(meta, self.storage))
+        return ForwardContext(self.storage, metadata)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                common: list[AttentionMetadata]) -> torch.Tensor:
+        """The model over a prepared step -> hidden states [T, hidden] (tensor-parallel workers
+        run this alone: no tables, no sampling)."""
+        self.model.ensure_rope(int(positions.max()) + 1)
+        return self.model(input_ids, positions, self.context(common))
 
     def _as_decode(self, s: ScheduledSequence) -> bool:
         """A token that attends to a cached context is a decode row; so is each row of a decode
@@ -203,8 +249,7 @@ class ModelRunner:
         token_rows = torch.repeat_interleave(rows, counts)
         slots = table.slots(token_rows, pos)
         num_decode_rows = int(counts[:num_decodes].sum())
-        meta = AttentionMetadata(slot_mapping=slots, kv_write_plan=self.storage.plan_writes(slots),
-                                 num_decode_tokens=num_decode_rows, sliding_window=self.layout.group_windows[group])
+        meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=num_decode_rows, sliding_window=self.layout.group_windows[group])
         self._sink_metadata(meta, group, pos)
         if num_decodes:  # one query row per token: its context ends at its own position
             ctx = pos[:num_decode_rows] + 1
@@ -244,21 +289,21 @@ class ModelRunner:
             positions += range(len(tokens))
         pos = torch.tensor(positions, dtype=torch.long)
         self.model.ensure_rope(max(positions) + 1)
-        metadata = []
+        common = []
         for g, w in enumerate(self.layout.group_windows):
             group_meta = AttentionMetadata(**{**vars(meta), "sliding_window": w})
             self._sink_metadata(group_meta, g, pos)
-            metadata.append(self.backend.build_metadata(group_meta, None))
-        return self._model_input(ids, pos, ForwardContext(None, metadata), list(seqs))
+            common.append(group_meta)
+        return self._model_input(ids, pos, common, list(seqs))
 
-    def _model_input(self, ids: list[int], pos: torch.Tensor, ctx: ForwardContext,
+    def _model_input(self, ids: list[int], pos: torch.Tensor, common: list[AttentionMetadata],
                      ordered: list[ScheduledSequence]) -> ModelInput:
         ends, row = [], 0
         for s in ordered:
             row += s.num_tokens if self.storage is not None else s.context_len
             ends.append(row)
         return ModelInput(torch.tensor(ids, dtype=torch.long, device=self.device), pos.to(self.device),
-                          ctx, ordered, ends)
+                          common, ordered, ends)
 
     # ---- outputs ----
     def _sample(self, hidden: torch.Tensor, inp: ModelInput) -> ModelRunnerOutput:
