@@ -46,6 +46,8 @@ class SchedulerOutput:
     copies: BlockCopies
     finished_request_ids: list[str]
     num_preempted: int = 0
+    # (request id, block ids) whose K/V arrives from another engine: written before the forward
+    kv_loads: list[tuple[str, list[int]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

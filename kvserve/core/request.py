@@ -67,6 +67,9 @@ class Request:
     num_spec_accepted: int = 0  # of which accepted
     num_spec_steps: int = 0  # steps that verified proposals
     num_truncations: int = 0  # output taken back this many times (readers of the output re-read)
+    # prompt tokens whose K/V another engine computed (disaggregated prefill): loaded into the
+    # request's blocks on admission instead of computed; 0 once loaded
+    num_external_tokens: int = 0
     all_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -42,6 +42,10 @@ class Scheduler:
         self._order: dict[str, int] = {}
         self._counter = itertools.count()
         self._finished_ids: list[str] = []
+        self._loads: list[tuple[str, list[int]]] = []  # this step's handed-over K/V to write
+        # called with a request about to end, before its blocks go back (their K/V is still
+        # whole until the next step runs): what a prefill engine hands over is read here
+        self.before_free: Optional[Callable[[Request], None]] = None
         self._step_preemptions = 0
         self.key: Callable[[Request], PolicyKey] = (
             self._priority_key if config.policy == "priority" else self._fcfs_key)
@@ -75,6 +79,8 @@ class Scheduler:
         req.num_kv_blocks = self.kv.num_held_blocks(request_id)
         if status == RequestStatus.FINISHED_ERROR:
             self.kv.forget_own_hashes(req)
+        elif self.before_free is not None:
+            self.before_free(req)
         self.kv.free(req)
         self._order.pop(request_id, None)
         self._finished_ids.append(request_id)
@@ -171,7 +177,8 @@ class Scheduler:
         if self._step_preemptions == num_priority_preemptions:  # admitting while short of blocks would thrash
             self._admit(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
-        return SchedulerOutput(scheduled, self.kv.take_copies(), finished, self._step_preemptions)
+        loads, self._loads = self._loads, []
+        return SchedulerOutput(scheduled, self.kv.take_copies(), finished, self._step_preemptions, loads)
 
     def update(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed tokens, append sampled ones (taking back rejected proposals), fork
@@ -280,6 +287,11 @@ class Scheduler:
                 num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
                 if not self.kv.swap_in(req, num_new):
                     break
+            elif req.num_external_tokens:
+                admitted = self._admit_external(req, budget)
+                if admitted is None:
+                    break
+                num_new = admitted
             else:
                 # a request scoring its prompt computes every prompt token: cached blocks have no logits
                 scoring = req.sampling_params.prompt_logprobs is not None
@@ -293,6 +305,19 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._scheduled(req, num_new, 0))
             budget -= num_new
+
+    def _admit_external(self, req: Request, budget: int) -> Optional[int]:
+        """Blocks for the K/V another engine computed and for this step's tokens after it; the
+        load is listed in the step's output. None when the pool is short."""
+        num_external = req.num_external_tokens
+        num_new = self._num_new_tokens(req, num_external, budget)
+        if not self.kv.allocate_slots(req, num_external + num_new):
+            return None
+        self._record_admission(req, 0)
+        req.num_computed_tokens, req.num_external_tokens = num_external, 0
+        blocks = self.kv.block_table(req.request_id)[:num_blocks_for(num_external, self.kv.block_size)]
+        self._loads.append((req.request_id, blocks))
+        return num_new
 
     def _record_admission(self, req: Request, num_cached: int) -> None:
         req.num_computed_tokens = num_cached

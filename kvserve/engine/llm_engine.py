@@ -24,6 +24,7 @@ from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.trace import StepTrace
 from kvserve.distributed import workers
+from kvserve.distributed.handover import KVHandover, KVIdentity
 from kvserve.distributed.tensor_parallel import CommStats, check_shardable, install_row_parallel, shard_weights
 from kvserve.engine.outputs import RequestOutput
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
@@ -166,6 +167,7 @@ class LLMEngine:
         # called with (request id, first position, logits [rows, vocab]) for prompt rows asked for
         self.prompt_logits_hook: Optional[Callable[[str, int, torch.Tensor], None]] = None
         self._ids = itertools.count()
+        self._ended_outside_step: list[Request] = []  # handed over finished: reported by the next step
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0
         self._last_step_tokens = 0
         self._last_log = time.monotonic()
@@ -271,6 +273,39 @@ class LLMEngine:
             self.beams.add(req, params.max_tokens)
         return rid
 
+    def add_prefilled(self, handover: KVHandover, params: SamplingParams, arrival_time: Optional[float] = None) -> str:
+        """A request whose prompt another engine computed (disaggregated prefill): its K/V is
+        written into this engine's blocks on admission and decoding goes on from the first
+        token that engine sampled, without computing the prompt again. A handover from another
+        model, KV format or layout is refused (ValueError naming what differs)."""
+        self.kv_identity().check(handover.identity)
+        ids = list(handover.prompt_token_ids)
+        self._validate(ids, params)
+        if params.n > 1 or params.use_beam_search:
+            raise ValueError("a handed-over request continues one sequence: n > 1 and beam search are not served")
+        eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
+        req = Request(handover.request_id, ids, params, tuple(eos), 0,
+                      arrival_time if arrival_time is not None else time.monotonic(),
+                      output_token_ids=list(handover.output_token_ids),
+                      output_logprobs=list(handover.output_logprobs), num_external_tokens=handover.num_tokens)
+        self.scheduler.add_request(req)
+        self.outputs.add(req, handover.prompt)
+        if handover.generator_state is not None:
+            self.runner.sampler.adopt(req.request_id, handover.generator_state)
+        status = req.check_stop(self.max_seq_len)
+        if status is not None or not handover.num_tokens:  # its first token ended it
+            self.scheduler.finish_request(req.request_id, status or RequestStatus.FINISHED_STOPPED)
+            self._ended_outside_step.append(req)
+        else:
+            self.runner.kv_sources[req.request_id] = handover.source(self.config.dtype)
+        return req.request_id
+
+    def kv_identity(self) -> KVIdentity:
+        """What a K/V handover must match to be loaded here."""
+        c = self.model_config
+        return KVIdentity(self.model_id, self.config.kv_cache_dtype, c.num_hidden_layers, c.num_key_value_heads,
+                          c.head_dim, self.plan.block_size)
+
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("the prompt is empty: at least one token is needed")
@@ -294,6 +329,7 @@ class LLMEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now (every member of its group: n > 1 samples)."""
         aborted = self.scheduler.finish_group(request_id, RequestStatus.FINISHED_ABORTED)
+        self.runner.kv_sources.pop(request_id, None)
         self.beams.forget(request_id)
         for req in aborted:
             self.outputs.finish_sample(req, "abort")
@@ -301,7 +337,7 @@ class LLMEngine:
         return bool(aborted)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._ended_outside_step)
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
@@ -323,6 +359,8 @@ class LLMEngine:
                 window[1] += accepted
         self._prompt_rows(sched.scheduled, result)
         touched = self.scheduler.update(sched, result)
+        touched += self._ended_outside_step
+        self._ended_outside_step = []
         for state in self.beams.step(result.logits):
             self.outputs.finish_beams(state.group.group_id, self.beams.outputs(state))
             touched.append(state.group.first)

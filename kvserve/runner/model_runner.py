@@ -105,9 +105,12 @@ class ModelRunner:
         self.fault_hook: Optional[Callable[[str, list[ScheduledSequence]], None]] = None
         # the other tensor-parallel ranks: told every block move and forward before rank 0 runs it
         self.mirror: Optional[StepMirror] = None
+        # K/V handed over by a prefill engine, by request, until its admission loads it
+        self.kv_sources: dict[str, KVStorage] = {}
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)
+        self.apply_loads(out.kv_loads)
         inp = self.prepare_step(out)
         if inp is None:
             return ModelRunnerOutput({})
@@ -132,6 +135,7 @@ class ModelRunner:
         that is no sequence's own (moving blocks) is raised."""
         saved = self.sampler.save([s.request_id for s in out.scheduled])
         self.apply_copies(out.copies)  # blocks move once; a failure here is the cache's, not a request's
+        self.apply_loads(out.kv_loads)
         try:
             return self.execute(SchedulerOutput(out.scheduled, BlockCopies([], [], []), out.finished_request_ids)), {}
         except FatalStepError:
@@ -184,6 +188,14 @@ class ModelRunner:
             assert self.swap_storage is not None
             self.storage.swap_in(self.swap_storage, copies.swap_in)
         self.storage.copy_blocks(copies.copy_on_write)
+
+    def apply_loads(self, loads: Sequence[tuple[str, list[int]]]) -> None:
+        """K/V another engine computed (kv_sources: a storage of the request's blocks in order)
+        into the blocks the scheduler gave it, after this step's block moves."""
+        for request_id, blocks in loads:
+            source = self.kv_sources.pop(request_id)
+            assert self.storage is not None and self.mirror is None, "handed-over K/V needs one rank's cache"
+            self.storage.swap_in(source, list(enumerate(blocks)))
 
     def _apply_table_updates(self, seqs: Sequence[ScheduledSequence]) -> None:
         for s in seqs:

@@ -113,6 +113,18 @@ class Sampler:
         if self.structured is not None:
             self.structured.forget(request_ids)
 
+    def adopt(self, request_id: str, state: torch.Tensor) -> None:
+        """Continue a request's random draws from a state saved elsewhere (another engine drew
+        its first token)."""
+        g = torch.Generator()
+        g.set_state(state)
+        self.generators[request_id] = g
+
+    def state(self, request_id: str) -> Optional[torch.Tensor]:
+        """The request's random state (None: it has no generator of its own yet)."""
+        g = self.generators.get(request_id)
+        return None if g is None else g.get_state()
+
     def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[torch.Tensor]], int, Any]:
         """The random (and grammar) state of these requests, to draw their step again (`restore`)."""
         states = {rid: (g.get_state() if (g := self.generators.get(rid)) is not None else None) for rid in request_ids}
