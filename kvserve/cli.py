@@ -12,7 +12,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import canonical_dtype
+from kvserve.config import canonical_dtype, env_api_key
 from kvserve.engine.args import add_engine_args, engine_options, make_engine, options_from
 
 
@@ -332,7 +332,19 @@ def cmd_visualize(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvserve.server.app import serve
     from kvserve.server.args import ServeOptions
-    return serve(a.model, engine_options(a), options_from(ServeOptions, a))
+    options = options_from(ServeOptions, a)
+    if options.data_parallel_size < 1:
+        raise UserError(f"--data-parallel-size must be >= 1, got {options.data_parallel_size}")
+    if options.data_parallel_size > 1:
+        from kvserve.server.replicas import serve_replicas
+        return serve_replicas(a.model, engine_options(a), options)
+    return serve(a.model, engine_options(a), options)
+
+
+def cmd_router(a: argparse.Namespace) -> int:
+    from kvserve.server.router import RoutingPolicy, run_router
+    return run_router(a.replica, a.host, a.port, a.api_key or env_api_key(),
+                      RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -402,6 +414,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     add_serve_args(s)
     s.set_defaults(func=cmd_serve)
+    r = sub.add_parser("router", help="one OpenAI endpoint over running kvserve servers, routed by cache affinity")
+    r.add_argument("--replica", action="append", required=True, metavar="URL",
+                   help="a kvserve server (repeat for each), e.g. http://10.0.0.2:8000")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--port", type=int, default=8000)
+    r.add_argument("--api-key", default=None, help="required of clients, and passed on to the replicas")
+    r.add_argument("--cache-threshold", type=float, default=0.5,
+                   help="route by prefix when a replica holds at least this share of a request's text")
+    r.add_argument("--balance-abs-threshold", type=int, default=16,
+                   help="route by load alone when in-flight counts differ by more than this ...")
+    r.add_argument("--balance-rel-threshold", type=float, default=2.0, help="... and by this factor")
+    r.set_defaults(func=cmd_router)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", required=True)
     from kvserve.bench.args import add_serve_bench_args, add_throughput_args

@@ -232,7 +232,7 @@ class DisaggregatedLLM:
                  prefill_options: Optional[dict[str, Any]] = None, **options: Any) -> None:
         import multiprocessing as mp
 
-        from kvserve.distributed.workers import _free_port
+        from kvserve.distributed.workers import free_port
         from kvserve.engine.args import engine_config
         from kvserve.engine.llm_engine import LLMEngine
         from kvserve.models.registry import load_weights
@@ -241,7 +241,7 @@ class DisaggregatedLLM:
         decode_config = engine_config(model, **options)
         prefill_config = engine_config(model, **{**options, **(prefill_options or {})})
         loaded = loaded or load_weights(decode_config.model, decode_config.tokenizer)
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
         bell, child_bell = ctx.Pipe(duplex=False)

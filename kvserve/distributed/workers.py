@@ -133,7 +133,7 @@ class TensorParallelWorkers:
         self.world = spec_args["world"]
         self.backend = c.parallel.distributed_executor_backend
         host = "127.0.0.1" if self.backend == "mp" else _ray_host()
-        init = f"tcp://{host}:{_free_port()}"
+        init = f"tcp://{host}:{free_port()}"
         whole = replace(loaded, tokenizer=None)
         specs = {rank: ShardSpec(weights=shard_weights(whole, rank, self.world), init_method=init, **spec_args)
                  for rank in range(1, self.world)}
@@ -235,7 +235,7 @@ def _stop(conns: Sequence[Any], procs: Sequence[Any], actors: Sequence[Any]) -> 
             ray.kill(a)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])

@@ -18,6 +18,7 @@ class ServeOptions:
     shutdown_timeout: float = 30.0
     log_stats_interval: float = 10.0
     tool_call_parser: str = "auto"
+    data_parallel_size: int = 1
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -33,6 +34,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
     g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
+                   help="N engine replicas (each its own process and cache) behind one cache-aware router")
     g.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=d.tool_call_parser,
                    help="how tool calls are read from the model's text (auto: by its chat template; "
                    "hermes <tool_call> tags where the template has no tools of its own)")

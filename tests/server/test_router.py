@@ -1,0 +1,178 @@
+"""Replicas behind the cache-aware router: each prefix family goes to one replica (so the hit
+rate is the single engine's), outputs equal the single engine's, /metrics shows each replica
+and the total, and a replica killed mid-run fails its streams at once while the survivor's
+outputs stay the same."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from kvserve.server.router import CHUNK_CHARS, Router, RoutingPolicy, merge_metrics
+from tests.conftest import STORIES_DIR, greedy, make_llm
+from tests.server.conftest import RunningServer, free_port
+
+FAMILIES = ["Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with "
+            "her big red ball and her friend Tom.",
+            "One day, a small bird flew over the tall green trees. The bird was looking for food for its "
+            "babies in the nest.",
+            "Tom had a toy car that he liked very much. Every day he took it to the park and made it go "
+            "fast on the path."]
+ENDINGS = [" Then", " One day", " She said", " They"]
+
+
+# ---- the policy ----
+def test_a_family_sticks_to_the_replica_that_saw_it():
+    router = Router(["http://a", "http://b"])
+    first = [router.choose(f + ENDINGS[0]).index for f in FAMILIES]
+    for ending in ENDINGS[1:]:
+        assert [router.choose(f + ending).index for f in FAMILIES] == first
+    assert router.num_cache_routed == len(FAMILIES) * (len(ENDINGS) - 1)
+
+
+def test_new_text_goes_to_the_least_loaded_replica():
+    router = Router(["http://a", "http://b", "http://c"])
+    router.replicas[0].in_flight, router.replicas[1].in_flight = 5, 1
+    assert router.choose("a text nobody has sent before, long enough").index == 2
+
+
+def test_far_apart_loads_override_affinity():
+    router = Router(["http://a", "http://b"], RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=2))
+    home = router.choose(FAMILIES[0]).index
+    router.replicas[home].in_flight = 10
+    assert router.choose(FAMILIES[0] + ENDINGS[1]).index == 1 - home
+
+
+def test_a_dead_replica_is_never_chosen_and_forgotten():
+    router = Router(["http://a", "http://b"])
+    home = router.choose(FAMILIES[0])
+    router.mark_dead(home, "killed")
+    assert all(router.choose(FAMILIES[0] + e).index != home.index for e in ENDINGS)
+    router.mark_dead(router.replicas[1 - home.index], "killed")
+    assert router.choose(FAMILIES[0]) is None
+
+
+def test_short_text_shares_nothing():
+    assert len(Router(["http://a"]).index.keys("x" * (CHUNK_CHARS - 1))) == 0
+
+
+def test_metrics_are_labelled_per_replica_with_a_total():
+    text = ("# HELP kvserve_x x\n# TYPE kvserve_x counter\nkvserve_x 3\n"
+            "# TYPE kvserve_kv_cache_usage gauge\nkvserve_kv_cache_usage 0.5\nkvserve_y{kind=\"a\"} 1\n")
+    merged = merge_metrics({0: text, 1: text.replace(" 3", " 4").replace("0.5", "0.25")})
+    lines = merged.splitlines()
+    assert 'kvserve_x{replica="0"} 3' in lines and 'kvserve_x{replica="1"} 4' in lines
+    assert 'kvserve_x{replica="total"} 7' in lines
+    assert 'kvserve_kv_cache_usage{replica="total"} 0.375' in lines  # usage: the mean
+    assert 'kvserve_y{kind="a",replica="total"} 2' in lines
+    assert lines.count("# HELP kvserve_x x") == 1
+
+
+# ---- real replicas ----
+class Replicas:
+    """n `kvserve serve` processes of stories260K and the router in a thread."""
+
+    def __init__(self, n: int) -> None:
+        from kvserve.server.router import create_router_app, wait_healthy
+        exe = os.path.join(os.path.dirname(sys.executable), "kvserve")
+        self.ports = [free_port() for _ in range(n)]
+        self.procs = [subprocess.Popen([exe, "serve", "--model", str(STORIES_DIR), "--port", str(p),
+                                        "--num-blocks", "512", "--log-stats-interval", "1000"],
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in self.ports]
+        urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        wait_healthy(urls, 120)
+        self.router = Router(urls)
+        self.server = RunningServer(create_router_app(self.router, health_interval_s=0.2), None)
+
+    def __enter__(self) -> "Replicas":
+        self.server.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.__exit__(*exc)
+        for p in self.procs:
+            p.kill()
+            p.wait(10)
+
+
+def _complete(url: str, prompt: str, max_tokens: int = 16) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0},
+                      timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(stories):
+    return make_llm(stories)
+
+
+def test_families_meet_their_prefix_on_one_replica(offline):
+    prompts = [f + e for e in ENDINGS for f in FAMILIES]  # each family's requests come apart in time
+    single_cached = sum(offline.generate(p, greedy(16))[0].num_cached_tokens for p in prompts)
+    with Replicas(2) as r:
+        homes: dict[str, set[str]] = {}
+        cached = 0
+        for p in prompts:
+            got = _complete(r.server.url, p)
+            assert got.status_code == 200, got.text
+            body = got.json()
+            want = offline.generate(p, greedy(16))[0].outputs[0].text
+            assert body["choices"][0]["text"] == want
+            homes.setdefault(p[:40], set()).add(got.headers["x-kvserve-replica"])
+            cached += body["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) or 0
+        assert all(len(h) == 1 for h in homes.values())
+        assert len(set.union(*homes.values())) == 2  # both replicas serve
+        metrics = httpx.get(r.server.url + "/metrics").text
+        assert 'replica="0"' in metrics and 'replica="1"' in metrics and 'replica="total"' in metrics
+        assert 'kvserve_router_decisions_total{reason="cache"} 9' in metrics
+    # each family's later requests hit its blocks as they would on one engine
+    assert cached >= 0.9 * single_cached > 0
+
+
+def test_killing_a_replica_fails_its_streams_and_spares_the_others(offline):
+    prompts = [f + ENDINGS[0] for f in FAMILIES] + ["A cat sat on the mat and looked at the"]
+    long = 300
+    with Replicas(2) as r:
+        client = httpx.Client(timeout=30)
+        streams = []
+        for p in prompts:
+            req = client.build_request("POST", r.server.url + "/v1/completions",
+                                       json={"prompt": p, "max_tokens": long, "temperature": 0, "stream": True,
+                                             "ignore_eos": True})
+            resp = client.send(req, stream=True)
+            lines = resp.iter_lines()
+            first = next(lines)  # the stream has begun
+            streams.append((p, resp, itertools.chain([first], lines)))
+        victim = int(streams[0][1].headers["x-kvserve-replica"])
+        os.kill(r.procs[victim].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        for p, resp, lines in streams:
+            text, error = "", None
+            for line in lines:
+                if line.startswith("data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        error = event["error"]["message"]
+                    else:
+                        text += event["choices"][0]["text"]
+            replica = int(resp.headers["x-kvserve-replica"])
+            if replica == victim:
+                assert error is not None and "failed mid-stream" in error
+            else:
+                full = offline.generate(p, greedy(long, ignore_eos=True))[0].outputs[0].text
+                assert text == full[:len(text)] and error is None
+        assert time.monotonic() - t0 < 30  # nothing hung on the dead replica
+        # the survivor takes every new request, the dead one's families included
+        for p in prompts:
+            got = _complete(r.server.url, p)
+            assert got.status_code == 200 and int(got.headers["x-kvserve-replica"]) != victim
+            assert got.json()["choices"][0]["text"] == offline.generate(p, greedy(16))[0].outputs[0].text
+        state = httpx.get(r.server.url + "/router/state").json()
+        assert not state["replicas"][victim]["alive"]
