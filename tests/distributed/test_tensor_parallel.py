@@ -26,12 +26,13 @@ STORY_PROMPTS = ["Once upon a time, there was a little girl named Lily.",
 PRESSURE = dict(block_size=4, num_blocks=40, max_num_seqs=4, max_prefill_chunk=8, max_num_batched_tokens=24)
 
 
-def _compare(loaded, prompts, tp: int, max_tokens: int = 24, **options):
+def _compare(loaded, prompts, tp: int, max_tokens: int = 24, ignore_eos: bool = False, **options):
+    params = greedy(max_tokens, ignore_eos=ignore_eos)
     single = make_engine(loaded, **options)
-    want, want_logits = run_collecting_logits(single, prompts, greedy(max_tokens))
+    want, want_logits = run_collecting_logits(single, prompts, params)
     split = make_engine(loaded, tensor_parallel_size=tp, **options)
     try:
-        got, got_logits = run_collecting_logits(split, prompts, greedy(max_tokens))
+        got, got_logits = run_collecting_logits(split, prompts, params)
         stats = split.stats().scheduler
         comm = split.comm.num_all_reduces
     finally:
@@ -124,12 +125,17 @@ def test_quantized_cache_tp2_equals_tp1(stories):
 
 @pytest.mark.slow
 def test_smollm2_tp3_equals_tp1(smollm2):
-    """9 heads and 3 KV heads over 3 ranks (3 and 1 each), packed Q4_1/Q8_0 weights as loaded."""
+    """9 heads and 3 KV heads over 3 ranks (3 and 1 each), packed Q4_1/Q8_0 weights as loaded,
+    batched, in chunks, preempted."""
     tok = smollm2.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": q}]) for q in
                ("What is the capital of France?", "Write a haiku about the sea.",
                 "What is the capital of Italy?")]
-    _compare(smollm2, prompts, 3, max_tokens=16, block_size=16, max_prefill_chunk=32)
+    # three 37-token prompts sharing their first 2 blocks (the system prompt) fit 7 blocks of 16
+    # (2 + 3 x 1); growing by 24 tokens they need 2 + 3 x 2
+    stats = _compare(smollm2, prompts, 3, max_tokens=24, ignore_eos=True, block_size=16, max_prefill_chunk=32,
+                     num_blocks=7)
+    assert stats.num_preemptions > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray is not installed")
