@@ -26,7 +26,12 @@ STORY_PROMPTS = ["Once upon a time, there was a little girl named Lily.",
 PRESSURE = dict(block_size=4, num_blocks=40, max_num_seqs=4, max_prefill_chunk=8, max_num_batched_tokens=24)
 
 
-def _compare(loaded, prompts, tp: int, max_tokens: int = 24, ignore_eos: bool = False, **options):
+def _max_diff(a: dict, b: dict) -> float:
+    return max((x - y).abs().max().item() for ra, rb in zip(a, b) for x, y in zip(a[ra], b[rb]))
+
+
+def _compare(loaded, prompts, tp: int, max_tokens: int = 24, ignore_eos: bool = False, logit_tol: float = LOGIT_TOL,
+             **options):
     params = greedy(max_tokens, ignore_eos=ignore_eos)
     single = make_engine(loaded, **options)
     want, want_logits = run_collecting_logits(single, prompts, params)
@@ -39,9 +44,8 @@ def _compare(loaded, prompts, tp: int, max_tokens: int = 24, ignore_eos: bool = 
         split.close()
     for w, g in zip(want, got):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
-    worst = max((a - b).abs().max().item() for rid_w, rid_g in zip(want_logits, got_logits)
-                for a, b in zip(want_logits[rid_w], got_logits[rid_g]))
-    assert worst < LOGIT_TOL, f"logits differ by {worst:.2e}"
+    worst = _max_diff(want_logits, got_logits)
+    assert worst < logit_tol, f"logits differ by {worst:.2e}"
     assert comm > 0
     return stats
 
@@ -120,7 +124,13 @@ def test_random_llama_tp2_equals_tp1(kv_heads):
 
 
 def test_quantized_cache_tp2_equals_tp1(stories):
-    _compare(stories, STORY_PROMPTS[:4], 2, kv_cache_dtype="int8", block_size=8)
+    """With an int8 cache a code at a rounding boundary may round the other way when the ranks
+    sum the K/V projections in another order (1e-7 apart), so the bound is the format's own
+    error: TP's logits are nearer TP = 1's than the int8 cache's are to the fp32 cache's."""
+    _, exact = run_collecting_logits(make_engine(stories, block_size=8), STORY_PROMPTS[:4], greedy(24))
+    _, int8 = run_collecting_logits(make_engine(stories, block_size=8, kv_cache_dtype="int8"), STORY_PROMPTS[:4],
+                                    greedy(24))
+    _compare(stories, STORY_PROMPTS[:4], 2, kv_cache_dtype="int8", block_size=8, logit_tol=_max_diff(exact, int8))
 
 
 @pytest.mark.slow
