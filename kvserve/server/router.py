@@ -322,9 +322,10 @@ def router_metrics(router: Router) -> str:
 
 def run_router(urls: Sequence[str], host: str, port: int, api_key: Optional[str], policy: RoutingPolicy) -> int:
     import uvicorn
+    from kvserve.server.app import _GracefulServer  # SIGTERM: a graceful stop, exit 0
     app = create_router_app(Router(list(urls), policy), api_key)
     logger.info("routing http://%s:%d over %d replicas: %s", host, port, len(urls), ", ".join(urls))
-    uvicorn.run(app, host=host, port=port, log_level="info")
+    _GracefulServer(uvicorn.Config(app, host=host, port=port, log_level="info")).run()
     return 0
 
 

@@ -24,17 +24,8 @@ TASK = "hamlet_next_line"
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory, smollm2_path):
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    d = str(tmp_path_factory.mktemp("smollm2-hf"))
-    where, name = os.path.split(smollm2_path)
-    model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
-    model.hf_quantizer = None  # dequantized to fp32 on loading: saved as the plain weights they now are
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.save_pretrained(d)
-    AutoTokenizer.from_pretrained(where, gguf_file=name).save_pretrained(d)
-    return d
+    from kvserve.models.convert import gguf_to_hf_directory
+    return gguf_to_hf_directory(smollm2_path, str(tmp_path_factory.mktemp("smollm2-hf")))
 
 
 @pytest.fixture(scope="module")

@@ -176,3 +176,32 @@ def test_killing_a_replica_fails_its_streams_and_spares_the_others(offline):
             assert got.json()["choices"][0]["text"] == offline.generate(p, greedy(16))[0].outputs[0].text
         state = httpx.get(r.server.url + "/router/state").json()
         assert not state["replicas"][victim]["alive"]
+
+
+def test_serve_with_data_parallel_size_starts_replicas_behind_the_router(offline):
+    """`kvserve serve --data-parallel-size 2`: one endpoint, two replica processes, all gone after SIGTERM."""
+    exe = os.path.join(os.path.dirname(sys.executable), "kvserve")
+    port = free_port()
+    proc = subprocess.Popen([exe, "serve", "--model", str(STORIES_DIR), "--data-parallel-size", "2", "--port", str(port),
+                             "--num-blocks", "256", "--log-stats-interval", "1000"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from kvserve.server.router import wait_healthy
+        wait_healthy([url], 120)
+        assert httpx.get(url + "/health").json()["replicas_alive"] == 2
+        got = _complete(url, FAMILIES[0])
+        assert got.json()["choices"][0]["text"] == offline.generate(FAMILIES[0], greedy(16))[0].outputs[0].text
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvserve_router_replica_up{replica="1"} 1' in metrics and 'replica="total"' in metrics
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        replicas = [pid for pid in children if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
+        assert len(replicas) == 2
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+    assert proc.returncode == 0
+    for pid in replicas:  # the replicas went with it
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
