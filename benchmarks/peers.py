@@ -145,7 +145,8 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model = default_model_path()
     loaded = load_weights(model)
-    results: dict = {"threads": a.threads}
+    # a part run alone keeps the other part's last figures
+    results: dict = {**(json.loads(RESULTS.read_text()) if RESULTS.exists() else {}), "threads": a.threads}
     if a.only in ("all", "throughput"):
         results["throughput"] = throughput(loaded, a.dtypes.split(","), a.threads, a.repeats, a.throughput_prompts)
     if a.only in ("all", "batch1"):
