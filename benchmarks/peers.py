@@ -173,6 +173,7 @@ def batch1(a: argparse.Namespace, model: str, loaded) -> dict:  # type: ignore[n
         print(f"repeat {r}: " + ", ".join(f"{k} decode {v[-1]['decode']:.1f} prefill {v[-1]['prefill']:.1f}"
                                          for k, v in runs.items()), flush=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in ("decode", "prefill")} for k, v in runs.items()}
+    breakdowns = {dt: decode_breakdown(e) for dt, e in engines.items()}
     bw = read_bandwidth()
     weights = sum(b.numel() * b.element_size() for e in engines.values() for b in e.model.buffers()) / len(engines)
     print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, {a.threads} thread(s); medians of {a.repeats}")
@@ -188,7 +189,25 @@ def batch1(a: argparse.Namespace, model: str, loaded) -> dict:  # type: ignore[n
             print(f"{k}: {weights / 2**20:.1f} MiB of packed weights a step at {v['decode']:.1f} steps/s = "
                   f"{weights * v['decode'] / 1e9:.1f} GB/s, {100 * weights * v['decode'] / 1e9 / bw:.0f}% of the "
                   f"{bw:.1f} GB/s measured read bandwidth")
-    return {"runs": runs, "medians": med, "read_gb_s": bw, "weight_bytes": weights, "llama_cpp": peer_reason or "run"}
+    for dt, b in breakdowns.items():
+        print(f"kvserve {dt} decode step, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
+    return {"runs": runs, "medians": med, "read_gb_s": bw, "weight_bytes": weights, "llama_cpp": peer_reason or "run",
+            "decode_breakdown_ms": breakdowns}
+
+
+def decode_breakdown(engine: LLMEngine, steps: int = 64) -> dict[str, float]:
+    """Batch-1 decode's step split into matmul, attention, norms, RoPE, sampling, the engine's
+    bookkeeping and the rest (kvserve.bench.breakdown)."""
+    from kvserve.bench.breakdown import StepBreakdown
+    engine.add_request("breakdown", [1], SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    with StepBreakdown() as b:
+        for _ in range(steps):
+            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    return b.per_step_ms(steps)
 
 
 if __name__ == "__main__":

@@ -68,6 +68,7 @@ class RotaryEmbedding:
         freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), self.inv_freq)
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
+        self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # positions, cos, sin
 
     @property
     def max_len(self) -> int:
@@ -82,7 +83,14 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by position; halves rotate together (HF layout)."""
-        return rotate_halves(x, self.cos[positions], self.sin[positions])
+        return rotate_halves(x, *self._angles(positions))
+
+    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, head_dim/2] of these positions, looked up once for every layer of a
+        forward pass (each layer rotates q and k by the same positions tensor)."""
+        if self._last is None or self._last[0] is not positions:
+            self._last = (positions, self.cos[positions], self.sin[positions])
+        return self._last[1], self._last[2]
 
 
 class LlamaAttention(nn.Module):

@@ -1,0 +1,21 @@
+"""The step breakdown adds up: its parts and "other" make the step, each part is its own time,
+and the methods it timed are put back."""
+
+from kvserve.bench.breakdown import StepBreakdown
+from kvserve.models.llama import RMSNorm
+from tests.conftest import greedy, make_engine
+
+
+def test_parts_add_up_to_the_step_and_the_methods_come_back(stories):
+    engine = make_engine(stories)
+    engine.add_request(None, [1, 2, 3], greedy(40))
+    engine.step()
+    original = RMSNorm.forward
+    with StepBreakdown() as b:
+        for _ in range(8):
+            engine.step()
+    assert RMSNorm.forward is original
+    parts = b.per_step_ms(8)
+    assert all(parts[k] > 0 for k in ("matmul", "attention", "norms", "rope", "sampling", "schedule", "step"))
+    assert abs(sum(v for k, v in parts.items() if k != "step") - parts["step"]) < 1e-6
+    assert parts["other"] >= 0
