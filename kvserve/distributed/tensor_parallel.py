@@ -58,11 +58,8 @@ def num_kv_heads_per_rank(config: ModelConfig, world: int) -> int:
 
 def kv_heads_of(config: ModelConfig, rank: int, world: int) -> range:
     """The KV heads rank holds (see the module's docstring)."""
-    k = config.num_key_value_heads
-    if k >= world:
-        return range(rank * k // world, (rank + 1) * k // world)
-    first = rank * k // world
-    return range(first, first + 1)
+    first = rank * config.num_key_value_heads // world
+    return range(first, first + num_kv_heads_per_rank(config, world))
 
 
 def shard_config(config: ModelConfig, world: int) -> ModelConfig:
@@ -131,9 +128,6 @@ class CommStats:
         self.num_all_reduces = 0
         self.all_reduce_bytes = 0
         self.all_reduce_s = 0.0
-
-    def reset(self) -> None:
-        self.__init__()  # type: ignore[misc]
 
 
 class RowParallel(nn.Module):

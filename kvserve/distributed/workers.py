@@ -128,7 +128,7 @@ class TensorParallelWorkers:
     """Rank 0's handle on ranks 1..N-1: starts them, joins the process group, sends each block
     move and forward pass (the ModelRunner's StepMirror), stops them."""
 
-    def __init__(self, loaded: LoadedModel, spec_args: dict[str, Any], stats: CommStats) -> None:
+    def __init__(self, loaded: LoadedModel, spec_args: dict[str, Any], threads_before: int) -> None:
         c: EngineConfig = spec_args["config"]
         self.world = spec_args["world"]
         self.backend = c.parallel.distributed_executor_backend
@@ -137,14 +137,13 @@ class TensorParallelWorkers:
         whole = replace(loaded, tokenizer=None)
         specs = {rank: ShardSpec(weights=shard_weights(whole, rank, self.world), init_method=init, **spec_args)
                  for rank in range(1, self.world)}
-        self.stats = stats
         self.num_messages = self.message_bytes = 0
         self.message_s = 0.0
         self._conns: list[Any] = []
         self._procs: list[Any] = []
         self._actors: list[Any] = []
         self._pending: list[Any] = []
-        self.threads_before = torch.get_num_threads()  # restored on close
+        self.threads_before = threads_before  # this process's threads before the ranks shared them; restored on close
         if c.device.startswith("cuda"):
             torch.cuda.set_device(device_of(c, 0))
         if self.backend == "mp":
@@ -258,7 +257,7 @@ def _to_device(obj: Any, device: str) -> Any:
 
 
 def start(config: EngineConfig, loaded: LoadedModel, plan: CachePlan, layout: CacheLayout,
-          layer_tensor: Sequence[int], stats: CommStats) -> Optional[TensorParallelWorkers]:
+          layer_tensor: Sequence[int]) -> Optional[TensorParallelWorkers]:
     """Ranks 1..N-1 for an engine of tensor_parallel_size N over the whole `loaded` model, each
     handed its shard (None for size 1)."""
     world = config.parallel.tensor_parallel_size
@@ -270,11 +269,9 @@ def start(config: EngineConfig, loaded: LoadedModel, plan: CachePlan, layout: Ca
     threads = max(1, before // world) if config.device == "cpu" else before
     torch.set_num_threads(threads)  # rank 0 too: the ranks share this machine's cores
     try:
-        tp = TensorParallelWorkers(loaded, dict(config=config, plan=plan, layout=layout,
-                                                layer_tensor=tuple(layer_tensor), world=world, num_threads=threads),
-                                   stats)
+        return TensorParallelWorkers(loaded, dict(config=config, plan=plan, layout=layout,
+                                                  layer_tensor=tuple(layer_tensor), world=world, num_threads=threads),
+                                     before)
     except BaseException:
         torch.set_num_threads(before)
         raise
-    tp.threads_before = before
-    return tp

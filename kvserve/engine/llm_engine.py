@@ -157,7 +157,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         # ranks 1..N-1 hear every block move and forward pass before rank 0 runs it
-        self.workers = workers.start(config, loaded, self.plan, layout, layer_tensor, self.comm)
+        self.workers = workers.start(config, loaded, self.plan, layout, layer_tensor)
         self.runner.mirror = self.workers
         self.proposer = self._make_proposer(loaded)
         self.num_spec_proposed = self.num_spec_accepted = 0

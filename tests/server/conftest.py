@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any, Iterator
@@ -10,15 +9,10 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
+from kvserve.distributed.workers import free_port  # noqa: F401 - the tests' free loopback port
 from tests.conftest import make_engine
 
 API_KEY = "test-key-123"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RunningServer:
