@@ -17,6 +17,7 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("auto", *MODEL_DTYPES, "int8", "int4")
+PACKED_ACTIVATIONS = ("float", "int8")  # what packed 4-bit weights multiply by, a few rows at a time
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
@@ -265,6 +266,10 @@ class EngineConfig:
     # weights: auto keeps a GGUF's block formats packed (Q8_0/Q4_0/Q4_1), float ones in `dtype`;
     # float32/bfloat16/float16 (= dtype) dequantize everything; int8/int4 pack float weights (Q8_0/Q4_1)
     weight_dtype: str = "auto"
+    # float: packed products equal dequantize-then-multiply in fp32; int8: a few rows of
+    # activations are quantized to 8 bits per 32-block and multiplied by Q4_0/Q4_1 weights in
+    # integer dot products (llama.cpp's arithmetic; each activation off by up to half a step)
+    packed_activations: str = "float"
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)
@@ -278,6 +283,8 @@ class EngineConfig:
         if self.weight_dtype in MODEL_DTYPES and self.weight_dtype != dtype:
             raise ValueError(f"weight dtype {self.weight_dtype} differs from the model dtype {dtype}: float "
                              "weights are held in --dtype (use auto, int8 or int4 to keep them packed)")
+        if self.packed_activations not in PACKED_ACTIVATIONS:
+            raise ValueError(f"packed activations must be one of {PACKED_ACTIVATIONS}, got {self.packed_activations!r}")
         for name in ("attention_backend", "linear_backend"):
             if getattr(self, name) not in KERNEL_BACKENDS:
                 raise ValueError(f"{name.replace('_', ' ')} must be auto, torch or cpu-kernel, "

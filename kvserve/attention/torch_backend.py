@@ -114,11 +114,14 @@ class TorchAttentionBackend(AttentionBackend):
                 softcap: Optional[float] = None) -> torch.Tensor:
         assert isinstance(meta, TorchAttentionMetadata)
         self.write_kv(layer, k, v, storage, meta)
+        nd = meta.num_decode_tokens
+        if nd == q.shape[0] and meta.sink_rotation is None:  # decode only: no rows to place
+            assert storage is not None
+            return self.decode(layer, q, storage, meta, scale, softcap)
         out = torch.empty_like(q)
         q_sink = None
         if meta.sink_rotation is not None:  # queries turned to their ranks, for the sinks' scores
             q_sink = rotate_halves(q, *meta.sink_rotation)
-        nd = meta.num_decode_tokens
         if nd:
             assert storage is not None
             out[:nd] = self.decode(layer, q[:nd], storage, meta, scale, softcap,

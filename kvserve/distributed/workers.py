@@ -81,7 +81,8 @@ class Shard:
         dist.init_process_group(collective_backend(c), init_method=spec.init_method, rank=rank,
                                 world_size=spec.world, timeout=COLLECTIVE_TIMEOUT)
         loaded = spec.weights
-        model = build_model(loaded, getattr(torch, c.dtype), self.device, spec.layout.max_model_len, c.weight_dtype)
+        model = build_model(loaded, getattr(torch, c.dtype), self.device, spec.layout.max_model_len, c.weight_dtype,
+                            c.packed_activations)
         self.stats = CommStats()
         install_row_parallel(model, self.stats)
         storage, swap = allocate_cache(c, loaded.config, spec.plan, spec.layer_tensor, self.device)

@@ -10,8 +10,9 @@ import argparse
 from dataclasses import fields
 from typing import Any, Type, TypeVar
 
-from kvserve.config import (KERNEL_BACKENDS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS, WEIGHT_DTYPES, CacheConfig,
-                            EngineConfig, EXECUTOR_BACKENDS, ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from kvserve.config import (KERNEL_BACKENDS, PACKED_ACTIVATIONS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS,
+                            WEIGHT_DTYPES, CacheConfig, EngineConfig, EXECUTOR_BACKENDS, ParallelConfig,
+                            SchedulerConfig, SpeculativeConfig)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
@@ -57,6 +58,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 packed (read by a compiled kernel), "
                         "float ones in --dtype; float32/bfloat16/float16 (= --dtype) dequantize everything; "
                         "int8/int4 pack float weights as Q8_0/Q4_1 at load")
+    g.add_argument("--packed-activations", default="float", choices=PACKED_ACTIVATIONS,
+                   help="what Q4_0/Q4_1 weights multiply by at decode: float (exact: dequantize-then-"
+                        "multiply in fp32) or int8 (activations quantized to 8 bits per 32-block, integer "
+                        "dot products as llama.cpp does: about twice as fast, each activation off by up "
+                        "to half a quantization step)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
                         "fp8_e5m2, int8 or int4 (see the README's memory section)")
@@ -110,7 +116,7 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     """The parsed engine arguments as the flat options `engine_config` takes (the model apart)."""
     opts: dict[str, Any] = dict(
         tokenizer=a.tokenizer, device=a.device, dtype=a.dtype, kv_cache_dtype=a.kv_cache_dtype,
-        weight_dtype=a.weight_dtype,
+        weight_dtype=a.weight_dtype, packed_activations=a.packed_activations,
         kv_cache_scales=a.kv_cache_scales,
         max_model_len=a.max_model_len, kv_layout=a.kv_layout, block_size=a.block_size,
         num_blocks=a.num_blocks, enable_prefix_caching=not a.no_prefix_caching,

@@ -126,7 +126,8 @@ class LLMEngine:
         check_tensor_parallel(config, loaded.config)
         shard = shard_weights(loaded, 0, world)  # rank 0's share (the whole model at size 1)
         self.shard_config = shard.config  # what this rank's layers and cache hold
-        self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype)
+        self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype,
+                                 config.packed_activations)
         self.comm = CommStats()
         if world > 1:
             install_row_parallel(self.model, self.comm)

@@ -10,6 +10,7 @@ macros; each instruction-set level is a separate build of the same source with i
     avx2          avx2, fma, f16c                                  __AVX2__ paths
     avx512        avx512f/bw/vl/dq, fma, f16c                       __AVX512F__ paths
     avx512_bf16   avx512 + avx512_bf16                             __AVX512BF16__ paths too
+    avx512_vnni   avx512 + avx512_vnni                             __AVX512VNNI__ paths too
 
 `load(name)` builds and loads the best level the kernel has and this CPU runs; tests load a
 lower one (`load(name, "portable")`) to check every path on every machine. The environment
@@ -21,6 +22,8 @@ path instead; the reason is logged once and kept in `failure(name)`.
   paged_attention  decode attention reading K/V blocks in place through the block table
   linear_bf16      bf16 x @ W^T for a few rows of x at memory bandwidth
   linear_quant     x @ W^T with W packed in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, and their dequantization
+  linear_q8        x @ W^T with W in Q4_0 / Q4_1 blocks and x quantized to 8 bits a block (integer dots)
+  layer_ops        a decoder layer's RMSNorm, RoPE and SiLU-times-up, one call each
 """
 
 from __future__ import annotations
@@ -55,12 +58,17 @@ ISAS = {
     "avx512_bf16": Isa("avx512_bf16", _AVX512 | {"avx512_bf16"},
                        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
                         "-mavx512dq", "-mavx512bf16")),
+    "avx512_vnni": Isa("avx512_vnni", _AVX512 | {"avx512_vnni"},
+                       ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                        "-mavx512dq", "-mavx512vnni")),
 }
 # The levels each kernel has code for, lowest first.
 KERNEL_ISAS = {
     "paged_attention": ("portable", "avx512"),
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
+    "linear_q8": ("portable", "avx512_vnni"),
+    "layer_ops": ("portable",),
 }
 
 _modules: dict[tuple[str, str], Any] = {}

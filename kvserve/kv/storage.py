@@ -35,6 +35,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from kvserve import kernels
 from kvserve.kv import quant
 
 BlockPairs = Sequence[tuple[int, int]]
@@ -180,6 +181,7 @@ class DenseKVStorage(BlockTensorStorage):
         shape = (block_size, num_kv_heads, head_dim)
         super().__init__(layer_to_tensor, num_blocks, block_size, {"k": (shape, dtype), "v": (shape, dtype)}, device)
         self.dtype = dtype
+        self.ops = kernels.load("layer_ops") if torch.device(device).type == "cpu" else None  # one-call writes
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -198,6 +200,9 @@ class DenseKVStorage(BlockTensorStorage):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
+        if self.ops is not None and k.dtype == v.dtype == self.dtype and k.stride(1) == v.stride(1) == k.shape[2]:
+            self.ops.store_kv(t["k"], t["v"], plan, k, v)
+            return
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))
         t["v"].view(-1, *v.shape[1:]).index_put_((plan,), v.to(self.dtype))
 

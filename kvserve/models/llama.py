@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve import kernels
 from kvserve.attention.backend import rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
@@ -26,8 +27,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops = kernels.load("layer_ops")  # one call on CPU (None: the torch ops below)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ops is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype:
+            return self.ops.rms_norm(x, self.weight, self.eps)  # type: ignore[no-any-return]
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -69,6 +73,7 @@ class RotaryEmbedding:
         self.cos = freqs.cos().to(device=device, dtype=dtype)
         self.sin = freqs.sin().to(device=device, dtype=dtype)
         self._last: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None  # positions, cos, sin
+        self.ops = kernels.load("layer_ops")  # one call on CPU (None: torch)
 
     @property
     def max_len(self) -> int:
@@ -83,7 +88,10 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by position; halves rotate together (HF layout)."""
-        return rotate_halves(x, *self._angles(positions))
+        cos, sin = self._angles(positions)
+        if self.ops is not None and x.device.type == "cpu" and x.stride(-1) == 1 and x.dtype == cos.dtype:
+            return self.ops.rotate_halves(x, cos, sin)  # type: ignore[no-any-return]
+        return rotate_halves(x, cos, sin)
 
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim/2] of these positions, looked up once for every layer of a
@@ -109,9 +117,11 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
-        q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
-        k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        fused = self._modules.get("fused_q_k_v")  # packed q, k and v: one product (packed.fuse)
+        q, k, v = fused.split(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = rope(q.view(T, self.num_heads, self.head_dim), positions)
+        k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -122,9 +132,14 @@ class LlamaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.ops = kernels.load("layer_ops")  # silu(gate) * up in one call on CPU (None: torch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        fused = self._modules.get("fused_gate_up")  # packed gate and up: one product (packed.fuse)
+        gate, up = fused.split(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        if self.ops is not None and gate.dim() == 2 and gate.device.type == "cpu" and gate.stride(-1) == 1:
+            return self.down_proj(self.ops.silu_mul(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):

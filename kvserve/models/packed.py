@@ -8,6 +8,11 @@ activations' dtype and runs the dense GEMM, whose cost then dominates. `PackedEm
 up packed rows and dequantizes only those. Both give what dequantizing the whole weight to fp32
 and multiplying gives, up to the order of the sums.
 
+With `--packed-activations int8`, `PackedLinearQ8` takes the few-row products of Q4_0/Q4_1
+weights instead: the activations are quantized to 8 bits per block and multiplied in integer dot
+products (kernels/csrc/linear_q8.cpp, llama.cpp's arithmetic), about twice as fast; the result
+is the float product with each activation rounded to its block's step (`linear_q8_reference`).
+
 `quantize` packs float weights (`--weight-dtype int8` -> Q8_0, `int4` -> Q4_1) the way llama.cpp's
 reference quantizers do.
 """
@@ -132,6 +137,9 @@ class PackedLinear(nn.Module):
         self.kernel = kernels.load("linear_quant")  # chosen once, not on every product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" \
+                and self.kernel is not None:  # decode's case, straight to the kernel (each torch op costs ~1 us)
+            return self.kernel.linear_quant(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
         lead, k = x.shape[:-1], self.in_features
         x2 = x.reshape(-1, k)
         if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and self.kernel is not None:
@@ -143,6 +151,61 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
+
+
+class PackedLinearQ8(PackedLinear):
+    """A Q4_0/Q4_1 PackedLinear whose few-row products quantize the activations to 8 bits per
+    32-block and sum integer products (kernels/csrc/linear_q8.cpp). Its rows are kept in that
+    kernel's interleaved order (the same bytes, reordered once); many rows dequantize them and run
+    the dense GEMM, exactly as PackedLinear does."""
+
+    FORMATS = ("q4_0", "q4_1")
+
+    def __init__(self, linear: PackedLinear) -> None:
+        if linear.fmt.name not in self.FORMATS:
+            raise ValueError(f"int8 activations multiply {self.FORMATS} weights, not {linear.fmt.name}")
+        q8 = kernels.load("linear_q8")
+        if q8 is None:
+            raise ValueError(f"--packed-activations int8 needs the compiled linear_q8 kernel: {kernels.failure('linear_q8')}")
+        if linear.qweight.device.type != "cpu":
+            raise ValueError("--packed-activations int8 runs on CPU only")
+        interleaved = q8.interleave(linear.qweight, linear.fmt.ggml_type, linear.in_features)
+        super().__init__(PackedWeight(linear.fmt, interleaved, (linear.out_features, linear.in_features)), linear.bias)
+        self.q8 = q8
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+            return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
+        lead, k = x.shape[:-1], self.in_features
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] <= FEW_ROWS:
+            y = self.q8.linear_q8(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
+        else:
+            gguf = self.q8.deinterleave(self.qweight, self.fmt.ggml_type, k)
+            y = F.linear(x2, dequantize(gguf, self.fmt, k, self.kernel).to(x.dtype), self.bias)
+        return y.reshape(*lead, self.out_features)
+
+
+def use_int8_activations(model: nn.Module) -> int:
+    """Give every Q4_0/Q4_1 PackedLinear of the model (fused ones too) int8 activations; how many."""
+    swapped = 0
+    for owner in list(model.modules()):
+        for name, child in list(owner.named_children()):
+            if type(child) is PackedLinear and child.fmt.name in PackedLinearQ8.FORMATS:
+                setattr(owner, name, PackedLinearQ8(child))
+                swapped += 1
+    return swapped
+
+
+def linear_q8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """What PackedLinearQ8 computes, in torch (fp64 sums): x [M, K] rounded per 32-block to
+    dx * round(x / dx) with dx = max|x| / 127, times the dequantized weight (GGUF order)."""
+    m, k = x.shape
+    xb = x.float().reshape(m, k // BLOCK, BLOCK)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    xq = torch.round(xb * inv)
+    return (xq * dx).reshape(m, k).double() @ dequantize_torch(packed.data, packed.fmt, k).double().T
 
 
 class PackedEmbedding(nn.Module):
@@ -172,9 +235,15 @@ class FusedPacked(nn.Module):
                                                (sum(p.out_features for p in parts), parts[0].in_features)),
                                   torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None)
         self.num_parts = len(parts)
+        self.sizes = [p.out_features for p in parts]
         self._input: Optional[torch.Tensor] = None
         self._output: Optional[torch.Tensor] = None
         self._left = 0
+
+    def split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every part's output at once (views of one product): what a layer that knows it holds
+        the group calls instead of each part."""
+        return self.fused(x).split_with_sizes(self.sizes, dim=-1)  # type: ignore[no-any-return]
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x or self._left == 0:

@@ -16,7 +16,8 @@ from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
-from kvserve.models.packed import BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize
+from kvserve.models.packed import (BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize,
+                                   use_int8_activations)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
@@ -117,10 +118,11 @@ MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM}  # else
 
 
 def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int,
-                weight_dtype: str = "auto") -> LlamaForCausalLM:
+                weight_dtype: str = "auto", packed_activations: str = "float") -> LlamaForCausalLM:
     """Instantiate without initialising (meta device), then adopt the loaded tensors. Packed
     weights (a GGUF's Q8_0/Q4_0/Q4_1) stay packed with weight_dtype auto and are dequantized to
-    `dtype` otherwise; int8/int4 pack every float matrix whose rows split into 32-weight blocks."""
+    `dtype` otherwise; int8/int4 pack every float matrix whose rows split into 32-weight blocks.
+    packed_activations int8 gives the Q4_0/Q4_1 ones integer few-row products (PackedLinearQ8)."""
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)
@@ -146,6 +148,10 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
         model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim)))
     elif tied:
         model.lm_head.weight = embed.weight
+    if packed_activations == "int8":
+        if device != "cpu":
+            raise ValueError(f"--packed-activations int8 runs on CPU only, not {device}")
+        use_int8_activations(model)
     model.to(device)
     model.init_rope(max_len)
     return model.eval()

@@ -64,10 +64,12 @@ def test_prompt_logprobs_equal_a_full_pass(stories, options):
         got = done[rid].prompt_logprobs
         assert got[0] is None and len(got) == len(p)  # one entry per prompt token, none repeated
         ref = full_pass_logprobs(stories, p)
+        # fp32 products of 5-row chunks and of the whole prompt run different GEMM blockings: the
+        # logprobs (size ~10, ulp ~1e-6) differ by up to about ten ulps (observed 1.1e-5)
         for i in range(1, len(p)):
-            assert abs(got[i][p[i]] - ref[i - 1, p[i]].item()) < 1e-5
+            assert abs(got[i][p[i]] - ref[i - 1, p[i]].item()) < 3e-5
             top = ref[i - 1].topk(2)
-            assert all(abs(got[i][t] - v) < 1e-5 for t, v in zip(top.indices.tolist(), top.values.tolist()))
+            assert all(abs(got[i][t] - v) < 3e-5 for t, v in zip(top.indices.tolist(), top.values.tolist()))
     assert done[ids[1]].num_cached_tokens == 0  # a scoring request reads no cached block
     if "num_blocks" in options:
         assert engine.stats().scheduler.num_preemptions > 0
