@@ -156,24 +156,27 @@ def main() -> None:
 
 
 def batch1(a: argparse.Namespace, model: str, loaded) -> dict:  # type: ignore[no-untyped-def]
-    engines = {dt: LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, dtype=dt, max_model_len=1024,
-                                          num_blocks=128, enable_prefix_caching=False)  # pp computed each time
-               for dt in a.dtypes.split(",")}
+    contenders = {f"kvserve {dt}": {"dtype": dt} for dt in a.dtypes.split(",")}
+    # llama.cpp's arithmetic: 4-bit weights times activations quantized to 8 bits a block
+    contenders["kvserve int8-act"] = {"dtype": "float32", "packed_activations": "int8"}
+    engines = {name: LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, max_model_len=1024,
+                                            num_blocks=128, enable_prefix_caching=False, **opts)  # pp computed each time
+               for name, opts in contenders.items()}
     for e in engines.values():
         kvserve(e, loaded.config.vocab_size)  # warm up
     peer_reason = None if LLAMA_BENCH.exists() else f"{LLAMA_BENCH} missing: run bash benchmarks/setup_peers.sh"
-    runs: dict[str, list[dict[str, float]]] = {f"kvserve {dt}": [] for dt in engines}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in engines}
     if peer_reason is None:
         runs["llama.cpp"] = []
     for r in range(a.repeats):
         if peer_reason is None:
             runs["llama.cpp"].append(llama_cpp(model, a.threads))
-        for dt, e in engines.items():
-            runs[f"kvserve {dt}"].append(kvserve(e, loaded.config.vocab_size))
+        for name, e in engines.items():
+            runs[name].append(kvserve(e, loaded.config.vocab_size))
         print(f"repeat {r}: " + ", ".join(f"{k} decode {v[-1]['decode']:.1f} prefill {v[-1]['prefill']:.1f}"
                                          for k, v in runs.items()), flush=True)
     med = {k: {m: statistics.median(x[m] for x in v) for m in ("decode", "prefill")} for k, v in runs.items()}
-    breakdowns = {dt: decode_breakdown(e) for dt, e in engines.items()}
+    breakdowns = {name: decode_breakdown(e) for name, e in engines.items()}
     bw = read_bandwidth()
     weights = sum(b.numel() * b.element_size() for e in engines.values() for b in e.model.buffers()) / len(engines)
     print(f"\nSmolLM2-135M-Instruct Q4_1 GGUF, {a.threads} thread(s); medians of {a.repeats}")
@@ -189,8 +192,8 @@ def batch1(a: argparse.Namespace, model: str, loaded) -> dict:  # type: ignore[n
             print(f"{k}: {weights / 2**20:.1f} MiB of packed weights a step at {v['decode']:.1f} steps/s = "
                   f"{weights * v['decode'] / 1e9:.1f} GB/s, {100 * weights * v['decode'] / 1e9 / bw:.0f}% of the "
                   f"{bw:.1f} GB/s measured read bandwidth")
-    for dt, b in breakdowns.items():
-        print(f"kvserve {dt} decode step, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
+    for name, b in breakdowns.items():
+        print(f"{name} decode step, ms: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()))
     return {"runs": runs, "medians": med, "read_gb_s": bw, "weight_bytes": weights, "llama_cpp": peer_reason or "run",
             "decode_breakdown_ms": breakdowns}
 
