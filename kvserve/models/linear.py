@@ -19,13 +19,14 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.config import env_kernel_mode
+from kvserve.models.direct import DirectCall
 
 FEW_ROWS = 4  # the kernel's side of the measured crossover (it handles up to 8)
 
 LinearFn = Callable[[torch.Tensor, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]
 
 
-class Linear(nn.Linear):
+class Linear(DirectCall, nn.Linear):
     few_row_kernel: Optional[LinearFn] = None  # set per model by use_few_row_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -19,10 +19,11 @@ from kvserve import kernels
 from kvserve.attention.backend import rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
+from kvserve.models.direct import DirectCall
 from kvserve.models.linear import Linear
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(DirectCall, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -101,7 +102,7 @@ class RotaryEmbedding:
         return self._last[1], self._last[2]
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -126,7 +127,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -142,7 +143,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
+from kvserve.models.direct import DirectCall
 
 BLOCK = 32
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
@@ -125,7 +126,7 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> PackedWeight:
     return PackedWeight(fmt, blocks.reshape(n, -1).contiguous(), (n, k))
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(DirectCall, nn.Module):
     """nn.Linear over a packed weight (bias, if any, in the model's dtype)."""
 
     def __init__(self, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> None:
@@ -208,7 +209,7 @@ def linear_q8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return (xq * dx).reshape(m, k).double() @ dequantize_torch(packed.data, packed.fmt, k).double().T
 
 
-class PackedEmbedding(nn.Module):
+class PackedEmbedding(DirectCall, nn.Module):
     """nn.Embedding over a packed table: the looked-up rows are dequantized, to `dtype`."""
 
     def __init__(self, packed: PackedWeight, dtype: torch.dtype) -> None:

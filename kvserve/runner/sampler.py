@@ -173,7 +173,8 @@ class Sampler:
         tokens: list[list[int]] = [[] for _ in seqs]
         greedy = [i for i, s in enumerate(seqs) if s.sampling_params.is_greedy]
         if greedy:
-            ids = logits[greedy].argmax(-1).tolist()
+            rows = logits if len(greedy) == len(seqs) else logits[greedy]  # (a list index copies: ~40 us)
+            ids = rows.argmax(-1).tolist()
             for i, t in zip(greedy, ids):
                 tokens[i] = [t] * seqs[i].num_samples
         rand = [i for i, s in enumerate(seqs) if not s.sampling_params.is_greedy]
