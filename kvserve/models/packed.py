@@ -67,11 +67,13 @@ class PackedWeight:
         return dequantize(self.data, self.fmt, self.shape[1], kernels.load("linear_quant"))
 
 
-def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int, kernel: Optional[Any]) -> torch.Tensor:
-    """Packed rows [N, row bytes] -> fp32 [N, k]: the compiled kernel on CPU, else torch."""
+def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int, kernel: Optional[Any],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Packed rows [N, row bytes] -> [N, k] in dtype (each weight computed in fp32, rounded once):
+    the compiled kernel on CPU, straight into dtype; else torch."""
     if data.device.type == "cpu" and kernel is not None:
-        return kernel.dequantize(data.contiguous(), fmt.ggml_type, k)  # type: ignore[no-any-return]
-    return dequantize_torch(data, fmt, k)
+        return kernel.dequantize(data.contiguous(), fmt.ggml_type, k, str(dtype).removeprefix("torch."))  # type: ignore[no-any-return]
+    return dequantize_torch(data, fmt, k).to(dtype)
 
 
 def _half(b: torch.Tensor) -> torch.Tensor:
@@ -146,8 +148,7 @@ class PackedLinear(DirectCall, nn.Module):
         if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and self.kernel is not None:
             y = self.kernel.linear_quant(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
         else:
-            w = dequantize(self.qweight, self.fmt, k, self.kernel).to(x.dtype)
-            y = F.linear(x2, w, self.bias)
+            y = F.linear(x2, dequantize(self.qweight, self.fmt, k, self.kernel, x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -183,7 +184,7 @@ class PackedLinearQ8(PackedLinear):
             y = self.q8.linear_q8(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
         else:
             gguf = self.q8.deinterleave(self.qweight, self.fmt.ggml_type, k)
-            y = F.linear(x2, dequantize(gguf, self.fmt, k, self.kernel).to(x.dtype), self.bias)
+            y = F.linear(x2, dequantize(gguf, self.fmt, k, self.kernel, x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
 
 
@@ -221,7 +222,7 @@ class PackedEmbedding(DirectCall, nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
-        return dequantize(rows, self.fmt, self.embedding_dim, self.kernel).to(self.dtype).reshape(*ids.shape, self.embedding_dim)
+        return dequantize(rows, self.fmt, self.embedding_dim, self.kernel, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 class FusedPacked(nn.Module):

@@ -27,6 +27,9 @@ def test_dequantize_is_bit_equal_to_the_reference(isa, fmt):
     assert kernel.isa() == isa
     p = packed(37, 96, fmt)
     assert torch.equal(kernel.dequantize(p.data, p.fmt.ggml_type, 96), dequantize_torch(p.data, p.fmt, 96))
+    for dtype in (torch.bfloat16, torch.float16):  # straight into the dtype: rounded once, as .to() rounds
+        got = kernel.dequantize(p.data, p.fmt.ggml_type, 96, str(dtype).removeprefix("torch."))
+        assert got.dtype == dtype and torch.equal(got, dequantize_torch(p.data, p.fmt, 96).to(dtype))
 
 
 @pytest.mark.parametrize("isa", ISAS)

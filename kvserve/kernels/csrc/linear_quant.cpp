@@ -22,6 +22,7 @@
 
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -198,12 +199,23 @@ void linear_fmt(const float* x, const uint8_t* w, const float* bias, float* y, i
   }
 }
 
-template <int FMT>
-void dequantize_fmt(const uint8_t* w, float* out, int64_t N, int64_t K) {
+// Into fp32, or straight into bf16 / fp16 (each fp32 weight rounded once, to nearest even, as
+// .to(dtype) rounds it): one pass over the output instead of an fp32 copy and a conversion.
+template <int FMT, typename out_t>
+void dequantize_fmt(const uint8_t* w, out_t* out, int64_t N, int64_t K) {
   const int64_t nb = K / kBlock, bb = block_bytes(FMT);
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    float tmp[kBlock];
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t j = 0; j < nb; ++j) dequant_block<FMT>(w + (n * nb + j) * bb, out + n * K + j * kBlock);
+      for (int64_t j = 0; j < nb; ++j) {
+        out_t* o = out + n * K + j * kBlock;
+        if constexpr (std::is_same_v<out_t, float>) {
+          dequant_block<FMT>(w + (n * nb + j) * bb, o);
+        } else {
+          dequant_block<FMT>(w + (n * nb + j) * bb, tmp);
+          for (int64_t i = 0; i < kBlock; ++i) o[i] = static_cast<out_t>(tmp[i]);
+        }
+      }
   });
 }
 
@@ -249,14 +261,22 @@ torch::Tensor linear_quant(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_
   return y;
 }
 
-torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K) {
+template <typename out_t>
+void dequantize_into(const uint8_t* wp, int64_t fmt, out_t* op, int64_t N, int64_t K) {
+  if (fmt == kQ8_0) dequantize_fmt<kQ8_0>(wp, op, N, K);
+  else if (fmt == kQ4_0) dequantize_fmt<kQ4_0>(wp, op, N, K);
+  else dequantize_fmt<kQ4_1>(wp, op, N, K);
+}
+
+torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, const std::string& dtype) {
   check(w, fmt, K);
-  auto out = torch::empty({w.size(0), K}, torch::dtype(at::kFloat));
+  TORCH_CHECK(dtype == "float32" || dtype == "bfloat16" || dtype == "float16", "dtype: float32, bfloat16 or float16");
+  const at::ScalarType st = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
+  auto out = torch::empty({w.size(0), K}, torch::dtype(st));
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  float* op = out.data_ptr<float>();
-  if (fmt == kQ8_0) dequantize_fmt<kQ8_0>(wp, op, w.size(0), K);
-  else if (fmt == kQ4_0) dequantize_fmt<kQ4_0>(wp, op, w.size(0), K);
-  else dequantize_fmt<kQ4_1>(wp, op, w.size(0), K);
+  if (st == at::kFloat) dequantize_into(wp, fmt, out.data_ptr<float>(), w.size(0), K);
+  else if (st == at::kBFloat16) dequantize_into(wp, fmt, out.data_ptr<at::BFloat16>(), w.size(0), K);
+  else dequantize_into(wp, fmt, out.data_ptr<at::Half>(), w.size(0), K);
   return out;
 }
 
@@ -265,5 +285,6 @@ torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction-set level this build was compiled for");
   m.def("linear_quant", &linear_quant, "fp32 x @ W^T (+ bias), W packed in Q8_0 / Q4_0 / Q4_1 blocks (CPU)");
-  m.def("dequantize", &dequantize, "W packed in Q8_0 / Q4_0 / Q4_1 blocks as fp32 [N, K] (CPU)");
+  m.def("dequantize", &dequantize, "W packed in Q8_0 / Q4_0 / Q4_1 blocks as [N, K] in fp32 (or bf16 / fp16) (CPU)",
+        py::arg("w"), py::arg("fmt"), py::arg("K"), py::arg("dtype") = "float32");
 }
