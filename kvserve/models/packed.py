@@ -140,16 +140,26 @@ class PackedLinear(DirectCall, nn.Module):
         self.kernel = kernels.load("linear_quant")  # chosen once, not on every product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32 and x.device.type == "cpu" \
-                and self.kernel is not None:  # decode's case, straight to the kernel (each torch op costs ~1 us)
-            return self.kernel.linear_quant(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
-        lead, k = x.shape[:-1], self.in_features
-        x2 = x.reshape(-1, k)
-        if x2.shape[0] <= FEW_ROWS and x2.device.type == "cpu" and self.kernel is not None:
-            y = self.kernel.linear_quant(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
+        few = self._few_row_kernel(x)
+        if few and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+            return self._few_rows(x)  # decode's case, straight to the kernel (each torch op costs ~1 us)
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if few and x2.shape[0] <= FEW_ROWS:
+            y = self._few_rows(x2.float()).to(x.dtype)
         else:
-            y = F.linear(x2, dequantize(self.qweight, self.fmt, k, self.kernel, x.dtype), self.bias)
+            y = F.linear(x2, self._dense_weight(x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def _few_row_kernel(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and self.kernel is not None
+
+    def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 [M <= FEW_ROWS, K] -> fp32 [M, N] through the compiled kernel."""
+        return self.kernel.linear_quant(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.qweight, self.fmt, self.in_features, self.kernel, dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, format={self.fmt.name}"
@@ -175,28 +185,23 @@ class PackedLinearQ8(PackedLinear):
         super().__init__(PackedWeight(linear.fmt, interleaved, (linear.out_features, linear.in_features)), linear.bias)
         self.q8 = q8
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
-            return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
-        lead, k = x.shape[:-1], self.in_features
-        x2 = x.reshape(-1, k)
-        if x2.shape[0] <= FEW_ROWS:
-            y = self.q8.linear_q8(x2.float(), self.qweight, self.fmt.ggml_type, k, self.bias).to(x.dtype)
-        else:
-            gguf = self.q8.deinterleave(self.qweight, self.fmt.ggml_type, k)
-            y = F.linear(x2, dequantize(gguf, self.fmt, k, self.kernel, x.dtype), self.bias)
-        return y.reshape(*lead, self.out_features)
+    def _few_row_kernel(self, x: torch.Tensor) -> bool:
+        return True  # built on CPU with its kernel, or refused
+
+    def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        gguf = self.q8.deinterleave(self.qweight, self.fmt.ggml_type, self.in_features)
+        return dequantize(gguf, self.fmt, self.in_features, self.kernel, dtype)
 
 
-def use_int8_activations(model: nn.Module) -> int:
-    """Give every Q4_0/Q4_1 PackedLinear of the model (fused ones too) int8 activations; how many."""
-    swapped = 0
+def use_int8_activations(model: nn.Module) -> None:
+    """Give every Q4_0/Q4_1 PackedLinear of the model (fused ones too) int8 activations."""
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
             if type(child) is PackedLinear and child.fmt.name in PackedLinearQ8.FORMATS:
                 setattr(owner, name, PackedLinearQ8(child))
-                swapped += 1
-    return swapped
 
 
 def linear_q8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -236,7 +241,6 @@ class FusedPacked(nn.Module):
         self.fused = PackedLinear(PackedWeight(parts[0].fmt, torch.cat([p.qweight for p in parts]),
                                                (sum(p.out_features for p in parts), parts[0].in_features)),
                                   torch.cat([p.bias for p in parts]) if parts[0].bias is not None else None)
-        self.num_parts = len(parts)
         self.sizes = [p.out_features for p in parts]
         self._input: Optional[torch.Tensor] = None
         self._output: Optional[torch.Tensor] = None
@@ -249,7 +253,7 @@ class FusedPacked(nn.Module):
 
     def product(self, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x or self._left == 0:
-            self._input, self._output, self._left = x, self.fused(x), self.num_parts
+            self._input, self._output, self._left = x, self.fused(x), len(self.sizes)
         out = self._output
         self._left -= 1
         if self._left == 0:
