@@ -89,3 +89,60 @@ def test_smollm2_bf16_decode_through_the_kernel_is_as_accurate_as_exact_products
         diffs = [(a - b).abs() for a, b in zip(runs[name][1], runs["fp32"][1])]
         error[name] = (max(d.max().item() for d in diffs), sum(d.mean().item() for d in diffs) / len(diffs))
     assert error["kernel"][1] <= 1.25 * error["exact"][1] and error["kernel"][0] <= 1.5 * error["exact"][0], error
+
+
+onednn = pytest.mark.skipif(not linear.onednn_available(), reason="this PyTorch has no oneDNN prepacked linear")
+
+
+@onednn
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64, 200])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reordered_weight_gives_the_stock_product_bit_for_bit(rows, bias):
+    """use_onednn changes where the weight lives, not the arithmetic: the products equal the
+    stock F.linear (the same oneDNN GEMM, reordering the plain weight at each call)."""
+    g = torch.Generator().manual_seed(rows)
+    layer = linear.Linear(100, 77, bias=bias).bfloat16()
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(77, 100, generator=g))
+    w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
+    assert linear.use_onednn(layer) == 1
+    assert layer.weight.numel() == 0  # the reordered copy replaces the plain one
+    x = torch.randn(rows, 100, generator=g).bfloat16()
+    assert torch.equal(layer(x), F.linear(x, w, b))
+    # leading dimensions are kept (rows flattened: the stock 3-D product adds its bias apart)
+    assert torch.equal(layer(x.view(1, rows, 100)), F.linear(x, w, b).view(1, rows, 77))
+
+
+@onednn
+def test_a_shared_weight_stays_plain():
+    """A head tied to the embedding keeps its plain weight (the embedding reads it), so the
+    model's weights take no more memory than before."""
+    emb, head, other = torch.nn.Embedding(50, 16), linear.Linear(16, 50, bias=False), linear.Linear(16, 16)
+    model = torch.nn.ModuleList([emb, head, other]).bfloat16()
+    head.weight = emb.weight
+    assert linear.use_onednn(model) == 1
+    assert head.onednn_weight is None and head.weight is emb.weight and other.onednn_weight is not None
+    assert linear.use_onednn(model) == 0  # once
+
+
+@onednn
+@pytest.mark.slow
+def test_bf16_engine_through_reordered_weights_equals_the_stock_gemm(smollm2):
+    """A bf16 SmolLM2 whose layers' weights are reordered for oneDNN (linear backend auto)
+    produces exactly the tokens and logits of the stock F.linear engine, prompts and decode steps
+    alike (the tied head, plain in both, takes the few-row kernel in both)."""
+    ids = smollm2.tokenizer.encode("A paged cache hands out fixed-size blocks as sequences grow.")
+    prompts = [ids[:n] for n in range(5, 15)]
+    runs = {}
+    for backend in ("auto", "torch"):
+        engine = make_engine(smollm2, dtype="bfloat16", weight_dtype="bfloat16", max_model_len=64, max_num_seqs=8,
+                             linear_backend=backend)
+        reordered = [m for m in engine.model.modules() if isinstance(m, linear.Linear) and m.onednn_weight is not None]
+        assert len(reordered) == (7 * smollm2.config.num_hidden_layers if backend == "auto" else 0)
+        engine.model.lm_head.few_row_kernel = linear.kernel_for("auto")
+        runs[backend] = run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True))
+    tokens = {k: [o.outputs[0].token_ids for o in out] for k, (out, _) in runs.items()}
+    assert tokens["auto"] == tokens["torch"]
+    for rid, steps in runs["auto"][1].items():
+        for a, b in zip(steps, runs["torch"][1][rid]):
+            assert torch.equal(a, b)
