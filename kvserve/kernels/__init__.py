@@ -68,7 +68,7 @@ KERNEL_ISAS = {
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
     "linear_q8": ("portable", "avx512_vnni"),
-    "layer_ops": ("portable",),
+    "layer_ops": ("portable", "avx512"),
 }
 
 _modules: dict[tuple[str, str], Any] = {}

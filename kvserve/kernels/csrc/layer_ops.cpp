@@ -15,13 +15,24 @@
 // rows' alignment and count; this one does not) and the exp's last ulp, and bf16 ones
 // the same with torch's roundings. Rows may be strided (views of a fused product's columns); the
 // last dimension must be contiguous. Rows are split over threads only when there are many.
+//
+// silu_mul has an AVX-512 path for fp32 and bf16 (16 lanes at a time, exp by a polynomial within
+// an ulp of libm's, bf16 rounded to nearest even as c10 rounds); the build decides whether it
+// exists (kvserve/kernels builds this file once per instruction-set level); `isa()` names the build.
 #include <torch/extension.h>
+#include "vec_math.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 
 namespace {
 
@@ -89,6 +100,64 @@ torch::Tensor rotate_halves(torch::Tensor x, torch::Tensor cos, torch::Tensor si
   return out;
 }
 
+#if defined(__AVX512F__)
+using kvserve::exp16;  // vec_math.h
+
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {  // bf16 is the top half of fp32
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+}
+
+// fp32 -> bf16 rounded to nearest even, NaN kept a NaN: c10::BFloat16's rounding.
+inline __m512 round_bf16(__m512 x) {
+  const __m512i b = _mm512_castps_si512(x);
+  const __m512i bias = _mm512_add_epi32(_mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1)),
+                                        _mm512_set1_epi32(0x7FFF));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(b, bias), _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+template <typename T>
+inline void store16(T* p, __m512 x, __mmask16 m) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_mask_storeu_ps(p, m, x);
+  } else {
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(x), 16));
+    _mm256_mask_storeu_epi16(p, m, h);
+  }
+}
+
+// One row: silu(g) rounded to T, times u, rounded to T (as the scalar loop below rounds).
+template <typename T>
+void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
+  for (int64_t i = 0; i < I; i += 16) {
+    const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
+    __m512 v, up;
+    if (m == 0xFFFF) {
+      v = load16(g + i);
+      up = load16(u + i);
+    } else {  // the tail: copied into a full vector, zeros past the row
+      alignas(64) T gt[16] = {}, ut[16] = {};
+      std::memcpy(gt, g + i, (I - i) * sizeof(T));
+      std::memcpy(ut, u + i, (I - i) * sizeof(T));
+      v = load16(gt);
+      up = load16(ut);
+    }
+    __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    if constexpr (!std::is_same_v<T, float>) s = round_bf16(s);
+    __m512 y = _mm512_mul_ps(s, up);
+    if constexpr (!std::is_same_v<T, float>) y = round_bf16(y);
+    store16(o + i, y, m);
+  }
+}
+#endif
+
 torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   check_rows(g, "gate");
   check_rows(u, "up");
@@ -100,12 +169,19 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
     const scalar_t* up = u.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
+      for (int64_t t = begin; t < end; ++t) {
+#if defined(__AVX512F__)
+        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+          silu_mul_row(gp + t * lg, up + t * lu, op + t * I, I);
+          continue;
+        }
+#endif
         for (int64_t i = 0; i < I; ++i) {
           const float v = static_cast<float>(gp[t * lg + i]);
           const scalar_t s = static_cast<scalar_t>(v / (1.f + std::exp(-v)));
           op[t * I + i] = s * up[t * lu + i];
         }
+      }
     });
   });
   return out;
@@ -137,7 +213,13 @@ void store_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("isa", [] { return std::string("portable"); }, "the instruction-set level this build was compiled for");
+  m.def("isa", [] {
+#if defined(__AVX512F__)
+    return std::string("avx512");
+#else
+    return std::string("portable");
+#endif
+  }, "the instruction-set level this build was compiled for");
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension (CPU)");
   m.def("rotate_halves", &rotate_halves, "RoPE with the halves of head_dim rotating together (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");

@@ -27,6 +27,7 @@
 // (kvserve/kernels builds this file once per instruction-set level and loads the one the CPU
 // runs); `isa()` names the build.
 #include <torch/extension.h>
+#include "vec_math.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -346,22 +347,7 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
 // each query head's dot product is D/16 FMAs and one horizontal sum, and the exponentials are
 // evaluated 16 at a time. Same two passes, same fp32 arithmetic up to summation order.
 
-// e^x for x <= 0: 2^n * 2^f with |f| <= 1/2, 2^f from a degree-6 Taylor polynomial in f*ln2
-// (relative error about 1e-7), 2^n applied exactly by scalef.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
+using kvserve::exp16;  // vec_math.h
 
 // r[i] = sum of the 16 lanes of v[i], for 16 vectors at once: pairs, then quads, are added within
 // 128-bit lanes and the four lanes transposed by shuffles (45 instructions for 16 sums, against
