@@ -261,7 +261,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     log_stats_interval_s: Optional[float] = None
     attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
-    linear_backend: str = "auto"  # auto: bf16 on CPU through oneDNN, weights reordered once (models/linear.py)
+    linear_backend: str = "auto"  # auto: bf16/fp32 on CPU through oneDNN, weights reordered once (models/linear.py)
     trace_path: Optional[str] = None  # write what every step did to the cache here (kvserve visualize)
     # weights: auto keeps a GGUF's block formats packed (Q8_0/Q4_0/Q4_1), float ones in `dtype`;
     # float32/bfloat16/float16 (= dtype) dequantize everything; int8/int4 pack float weights (Q8_0/Q4_1)

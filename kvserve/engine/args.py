@@ -108,10 +108,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="how tensor-parallel workers start: mp (processes on this machine) or ray "
                         "(Ray actors, on the machines of a running Ray cluster)")
     g.add_argument("--linear-backend", choices=KERNEL_BACKENDS, default="auto",
-                   help="bf16 linear layers on CPU. auto: oneDNN with each weight reordered once at load "
-                        "(where PyTorch has oneDNN), and 1-4 rows of a shared weight (a tied head) through the "
-                        "compiled kernel where the CPU has AVX512-BF16; cpu-kernel: 1-4 rows of every weight "
-                        "through the compiled kernel; torch: the stock F.linear")
+                   help="dense linear layers on CPU. auto: bf16 and fp32 through oneDNN with each weight "
+                        "reordered once at load (where PyTorch has oneDNN), and 1-4 bf16 rows of a shared weight "
+                        "(a tied head) through the compiled kernel where the CPU has AVX512-BF16; cpu-kernel: "
+                        "1-4 bf16 rows of every weight through the compiled kernel; torch: the stock F.linear")
 
 
 def engine_options(a: argparse.Namespace) -> dict[str, Any]:

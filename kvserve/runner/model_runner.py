@@ -96,9 +96,9 @@ class ModelRunner:
                                    cdiv(layout.max_model_len, layout.block_size) + 1, self.device)
                        for _ in range(layout.num_groups)]
         self.sampler = Sampler(seed)
+        if self.device.type == "cpu" and linear_backend == "auto" and linear.onednn_available():
+            linear.use_onednn(model)  # every product of a weight no other module shares
         if self.device.type == "cpu" and dtype == torch.bfloat16:
-            if linear_backend == "auto" and linear.onednn_available():
-                linear.use_onednn(model)  # every product of a weight no other module shares
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
         # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None

@@ -97,20 +97,28 @@ onednn = pytest.mark.skipif(not linear.onednn_available(), reason="this PyTorch 
 @onednn
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-def test_reordered_weight_gives_the_stock_product_bit_for_bit(rows, bias):
-    """use_onednn changes where the weight lives, not the arithmetic: the products equal the
-    stock F.linear (the same oneDNN GEMM, reordering the plain weight at each call)."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_reordered_weight_gives_the_stock_product(rows, bias, dtype):
+    """use_onednn changes where the weight lives, not the arithmetic. bf16: the products equal
+    the stock F.linear bit for bit (the same oneDNN GEMM, which reorders the plain weight at each
+    call). fp32: the stock product is MKL's, summed in another order: within float rounding."""
     g = torch.Generator().manual_seed(rows)
-    layer = linear.Linear(100, 77, bias=bias).bfloat16()
+    layer = linear.Linear(100, 77, bias=bias).to(dtype)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(77, 100, generator=g))
     w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.detach().clone()
     assert linear.use_onednn(layer) == 1
     assert layer.weight.numel() == 0  # the reordered copy replaces the plain one
-    x = torch.randn(rows, 100, generator=g).bfloat16()
-    assert torch.equal(layer(x), F.linear(x, w, b))
+    x = torch.randn(rows, 100, generator=g).to(dtype)
+    want = F.linear(x, w, b)
+    got = layer(x)
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+        assert ((got.double() - exact).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T + 1)).all()
     # leading dimensions are kept (rows flattened: the stock 3-D product adds its bias apart)
-    assert torch.equal(layer(x.view(1, rows, 100)), F.linear(x, w, b).view(1, rows, 77))
+    assert torch.equal(layer(x.view(1, rows, 100)), got.view(1, rows, 77))
 
 
 @onednn
