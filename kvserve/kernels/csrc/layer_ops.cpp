@@ -103,12 +103,13 @@ torch::Tensor rotate_halves(torch::Tensor x, torch::Tensor cos, torch::Tensor si
 #if defined(__AVX512F__)
 using kvserve::exp16;  // vec_math.h
 
+// 16 values (lanes outside m read as 0) as fp32.
 template <typename T>
-inline __m512 load16(const T* p) {
+inline __m512 load16(const T* p, __mmask16 m) {
   if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
+    return _mm512_maskz_loadu_ps(m, p);
   } else {  // bf16 is the top half of fp32
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    const __m256i raw = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
   }
 }
@@ -138,17 +139,7 @@ template <typename T>
 void silu_mul_row(const T* g, const T* u, T* o, int64_t I) {
   for (int64_t i = 0; i < I; i += 16) {
     const __mmask16 m = I - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (I - i)) - 1);
-    __m512 v, up;
-    if (m == 0xFFFF) {
-      v = load16(g + i);
-      up = load16(u + i);
-    } else {  // the tail: copied into a full vector, zeros past the row
-      alignas(64) T gt[16] = {}, ut[16] = {};
-      std::memcpy(gt, g + i, (I - i) * sizeof(T));
-      std::memcpy(ut, u + i, (I - i) * sizeof(T));
-      v = load16(gt);
-      up = load16(ut);
-    }
+    const __m512 v = load16(g + i, m), up = load16(u + i, m);
     __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
     if constexpr (!std::is_same_v<T, float>) s = round_bf16(s);
     __m512 y = _mm512_mul_ps(s, up);

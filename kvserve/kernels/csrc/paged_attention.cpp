@@ -8,10 +8,9 @@
 //   window   0, or W: each query attends to its context's last W positions only
 //   out      [B, H, D]
 //
-// Each task walks its blocks twice (K, then V), turns each block's rows into fp32 (a pointer into
-// the cache for fp32, or a small buffer the block is dequantized into, in registers and L1) and
-// serves all G query heads of each K/V head. The portable path's tasks are (sequence, K/V head)
-// pairs; the AVX-512 path's are whole sequences, or slices of their K/V heads where there are few.
+// Work is split over (sequence, kv head) pairs; each pair walks its blocks twice (K, then V),
+// turns each block's rows into fp32 (a pointer into the cache for fp32, or a small buffer the
+// block is dequantized into, in registers and L1) and serves all G query heads of its group.
 // Scores and accumulation are in fp32. Formats (each a Source below):
 //
 //   dense   fp32 / bf16 / fp16 rows as stored
@@ -76,29 +75,11 @@ inline void h2f(const c10::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = h2f(src[i]);
 }
 
-// Asks for n rows of `bytes` bytes, `stride` bytes apart, to be brought into cache ahead of
-// their use. A context's blocks lie anywhere in the pool and one head's rows are a strided third
-// (or less) of each block, so the hardware prefetcher does not run ahead across a jump from one
-// block to the next: without this the kernel spent three quarters of its time waiting on the
-// first loads of each block's rows.
-inline void prefetch_rows(const void* p, int64_t n, int64_t stride, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < n; ++i, c += stride) {
-    const uintptr_t first = reinterpret_cast<uintptr_t>(c) & ~uintptr_t{63};
-    for (uintptr_t line = first; line < reinterpret_cast<uintptr_t>(c) + bytes; line += 64)
-      __builtin_prefetch(reinterpret_cast<const void*>(line));
-  }
-}
-
-// ---- sources: one block's rows of K or V for one KV head, as fp32 (rows), and a request to
-// bring a block's rows into cache before they are read (prefetch) ----
+// ---- sources: one block's rows of K or V for one KV head, as fp32 ----
 template <typename T>
 struct Dense {
   const T* cache;
   Shape s;
-  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
-    prefetch_rows(cache + s.row(blk, 0, kh) * s.D, n, s.KVH * s.D * sizeof(T), s.D * sizeof(T));
-  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const T* base = cache + s.row(blk, 0, kh) * s.D;
     if constexpr (std::is_same_v<T, float>) {
@@ -130,10 +111,6 @@ struct Int8 {
   const int8_t* q;
   const float* scale;
   Shape s;
-  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
-    prefetch_rows(q + s.row(blk, 0, kh) * s.D, n, s.KVH * s.D, s.D);
-    prefetch_rows(scale + s.row(blk, 0, kh), n, s.KVH * sizeof(float), sizeof(float));
-  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* __restrict__ r = q + s.row(blk, i, kh) * s.D;
@@ -177,7 +154,6 @@ struct Fp8 {
   const float* head_scale;  // [KVH]
   bool e4m3;
   Shape s;
-  void prefetch(int64_t blk, int64_t kh, int64_t n) const { prefetch_rows(q + s.row(blk, 0, kh) * s.D, n, s.KVH * s.D, s.D); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const float hs = head_scale[kh];
     for (int64_t i = 0; i < n; ++i) {
@@ -204,17 +180,6 @@ struct Int4 {
   const int64_t* slot_of;
   Dense<R> residual;
   Shape s;
-  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
-    if (slot_of[blk] >= 0) return residual.prefetch(slot_of[blk], kh, n);
-    prefetch_rows(q + s.row(blk, 0, kh) * (s.D / 2), n, s.KVH * s.D / 2, s.D / 2);
-    if constexpr (per_channel) {
-      prefetch_rows(scale + (blk * s.KVH + kh) * s.D, 1, 0, s.D * sizeof(c10::Half));
-      prefetch_rows(zero + (blk * s.KVH + kh) * s.D, 1, 0, s.D * sizeof(c10::Half));
-    } else {
-      prefetch_rows(scale + s.row(blk, 0, kh), n, s.KVH * sizeof(c10::Half), sizeof(c10::Half));
-      prefetch_rows(zero + s.row(blk, 0, kh), n, s.KVH * sizeof(c10::Half), sizeof(c10::Half));
-    }
-  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     if (slot_of[blk] >= 0) return residual.rows(slot_of[blk], kh, n, buf);
     const int64_t D = s.D, half = D / 2;
@@ -263,23 +228,14 @@ struct Int4 {
   }
 };
 
-// Brings the rows of the block holding positions [t0, t0 + BS) of a context of length L into
-// cache, where there is one.
-template <typename Src>
-inline void prefetch_block(const Src& src, const int64_t* table, int64_t t0, int64_t L, int64_t BS, int64_t kh) {
-  if (t0 < L) src.prefetch(table[t0 / BS], kh, std::min(BS, L - t0));
-}
-
 // Calls row(t - begin, ptr) for each token t in [begin, L) with ptr its fp32 row; the block
-// table is read once per block and each block dequantized once, the next one prefetched while
-// this one is read. Blocks before `begin` (behind a sliding window, possibly given back: the
-// null block) are never read.
+// table is read once per block and each block dequantized once. Blocks before `begin` (behind a
+// sliding window, possibly given back: the null block) are never read.
 template <typename Src, typename RowFn>
 inline void for_each_row(const Src& src, const int64_t* table, int64_t begin, int64_t L, int64_t BS, int64_t kh,
                          float* buf, RowFn&& row) {
   for (int64_t t0 = begin / BS * BS; t0 < L; t0 += BS) {
     const int64_t n = std::min(BS, L - t0);
-    prefetch_block(src, table, t0 + BS, L, BS, kh);
     const Rows r = src.rows(table[t0 / BS], kh, n, buf);
     for (int64_t i = std::max<int64_t>(0, begin - t0); i < n; ++i) row(t0 + i - begin, r.ptr + i * r.stride);
   }
@@ -384,57 +340,36 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
   return hsum16(acc);
 }
 
-// How many slices a sequence's K/V heads are cut into, one task each: a whole sequence where
-// there are enough sequences to share among the threads (each of its blocks is then read front
-// to back, all heads at once, which the hardware prefetcher follows: reading one head's third of
-// every row, then the next head's, ran at a quarter of the bandwidth at batch 64), finer where
-// there are few.
-inline int64_t head_slices(int64_t B, int64_t KVH) {
-  const int64_t want = 8 * static_cast<int64_t>(at::get_num_threads());
-  return std::clamp<int64_t>((want + B - 1) / B, 1, KVH);
-}
-
 template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
 void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                    scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale,
                    int64_t window) {
   constexpr int64_t D = NV * 16;
-  const int64_t G = H / KVH, slices = head_slices(B, KVH), per = (KVH + slices - 1) / slices;
-  at::parallel_for(0, B * slices, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(per * G * D), acc(per * G * D), buf(BS * D), scores;
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / slices, kh0 = idx % slices * per, kh1 = std::min(KVH, kh0 + per);
-      if (kh0 >= kh1) continue;
-      const int64_t first = window_begin(lens[b], window), L = lens[b] - first, len = lens[b];
+      const int64_t b = idx / KVH, kh = idx % KVH, first = window_begin(lens[b], window), L = lens[b] - first;
       const int64_t* table = tables + b * max_blocks;
-      for (int64_t kh = kh0; kh < kh1; ++kh) scaled_queries(q, b, kh, H, G, D, scale, qf.data() + (kh - kh0) * G * D);
+      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
       const int64_t Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
-      const int64_t rows_of = (kh1 - kh0) * G;  // score rows: the slice's query heads
-      if (static_cast<int64_t>(scores.size()) < rows_of * Lp) scores.resize(rows_of * Lp);
-      auto prefetch = [&](const auto& src, int64_t t0) {
-        for (int64_t kh = kh0; kh < kh1; ++kh) prefetch_block(src, table, t0, len, BS, kh);
-      };
+      if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
       // pass 1: scores, 16 tokens of a block at a time (score i is position first + i)
-      for (int64_t t0 = first / BS * BS; t0 < len; t0 += BS) {
-        const int64_t n = std::min(BS, len - t0);
-        prefetch(ks, t0 + BS);
-        for (int64_t kh = kh0; kh < kh1; ++kh) {
-          const Rows r = ks.rows(table[t0 / BS], kh, n, buf.data());
-          for (int64_t i0 = std::max<int64_t>(0, first - t0); i0 < n; i0 += 16) {
-            const Rows part{r.ptr + i0 * r.stride, r.stride};
-            const int64_t m = std::min<int64_t>(16, n - i0);
-            for (int64_t g = 0; g < G; ++g) {
-              const int64_t row = (kh - kh0) * G + g;
-              const __m512 s16 = scores16<NV>(qf.data() + row * D, part, m);
-              _mm512_mask_storeu_ps(scores.data() + row * Lp + t0 + i0 - first, static_cast<__mmask16>((1u << m) - 1), s16);
-            }
+      for (int64_t t0 = first / BS * BS; t0 < lens[b]; t0 += BS) {
+        const int64_t n = std::min(BS, lens[b] - t0);
+        const Rows r = ks.rows(table[t0 / BS], kh, n, buf.data());
+        for (int64_t i0 = std::max<int64_t>(0, first - t0); i0 < n; i0 += 16) {
+          const Rows part{r.ptr + i0 * r.stride, r.stride};
+          const int64_t m = std::min<int64_t>(16, n - i0);
+          for (int64_t g = 0; g < G; ++g) {
+            const __m512 s16 = scores16<NV>(qf.data() + g * D, part, m);
+            _mm512_mask_storeu_ps(scores.data() + g * Lp + t0 + i0 - first, static_cast<__mmask16>((1u << m) - 1), s16);
           }
         }
       }
-      prefetch(vs, first / BS * BS);
       // softmax numerators, 16 at a time; the padding gets -inf and so weight 0
-      for (int64_t row = 0; row < rows_of; ++row) {
-        float* sg = scores.data() + row * Lp;
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * Lp;
         for (int64_t t = L; t < Lp; ++t) sg[t] = -std::numeric_limits<float>::infinity();
         __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
@@ -448,36 +383,22 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
         const float inv = 1.f / _mm512_reduce_add_ps(sum);
         for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
       }
-      // pass 2: weighted sum of V, block by block; each K/V head's sums stay in registers
-      // over a block's rows (acc holds them between blocks)
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = first / BS * BS; t0 < len; t0 += BS) {
-        const int64_t n = std::min(BS, len - t0);
-        prefetch(vs, t0 + BS);
-        for (int64_t kh = kh0; kh < kh1; ++kh) {
-          const Rows r = vs.rows(table[t0 / BS], kh, n, buf.data());
-          float* a = acc.data() + (kh - kh0) * G * D;
-          const float* sk = scores.data() + (kh - kh0) * G * Lp;
-          __m512 o[8][NV];  // G <= 8 on this path
-          for (int64_t g = 0; g < G; ++g)
-            for (int j = 0; j < NV; ++j) o[g][j] = _mm512_loadu_ps(a + g * D + 16 * j);
-          for (int64_t i = std::max<int64_t>(0, first - t0); i < n; ++i) {
-            const float* v = r.ptr + i * r.stride;
-            const int64_t t = t0 + i - first;
-            __m512 vv[NV];
-            for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
-            for (int64_t g = 0; g < G; ++g) {
-              const __m512 p = _mm512_set1_ps(sk[g * Lp + t]);
-              for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
-            }
-          }
-          for (int64_t g = 0; g < G; ++g)
-            for (int j = 0; j < NV; ++j) _mm512_storeu_ps(a + g * D + 16 * j, o[g][j]);
+      // pass 2: weighted sum of V
+      __m512 o[8][NV];  // G <= 8 on this path
+      for (int64_t g = 0; g < G; ++g)
+        for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
+      for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 p = _mm512_set1_ps(scores[g * Lp + t]);
+          for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
         }
-      }
-      for (int64_t row = 0; row < rows_of; ++row) {
-        const int64_t h = kh0 * G + row;
-        for (int64_t d = 0; d < D; ++d) out[(b * H + h) * D + d] = static_cast<scalar_t>(acc[row * D + d]);
+      });
+      for (int64_t g = 0; g < G; ++g) {
+        float tmp[D];
+        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(tmp + 16 * j, o[g][j]);
+        for (int64_t d = 0; d < D; ++d) out[(b * H + kh * G + g) * D + d] = static_cast<scalar_t>(tmp[d]);
       }
     }
   });
