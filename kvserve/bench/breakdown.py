@@ -24,10 +24,10 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     from kvserve.models.gemma import GemmaRMSNorm
     from kvserve.models.linear import Linear
     from kvserve.models.llama import RMSNorm, RotaryEmbedding
-    from kvserve.models.packed import FusedPart, PackedLinear
+    from kvserve.models.packed import FusedPart, PackedLinear, PackedLinearQ8
     from kvserve.runner.model_runner import ModelRunner
     return {
-        "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (FusedPart, "forward")],
+        "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"), (FusedPart, "forward")],
         "attention": [(Attention, "forward")],  # the cache write and the attention over it
         "norms": [(RMSNorm, "forward"), (GemmaRMSNorm, "forward")],
         "rope": [(RotaryEmbedding, "__call__")],

@@ -67,7 +67,7 @@ KERNEL_ISAS = {
     "paged_attention": ("portable", "avx512"),
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
-    "linear_q8": ("portable", "avx512_vnni"),
+    "linear_q8": ("portable", "avx2", "avx512_vnni"),
     "layer_ops": ("portable", "avx512"),
 }
 

@@ -8,10 +8,11 @@ activations' dtype and runs the dense GEMM, whose cost then dominates. `PackedEm
 up packed rows and dequantizes only those. Both give what dequantizing the whole weight to fp32
 and multiplying gives, up to the order of the sums.
 
-With `--packed-activations int8`, `PackedLinearQ8` takes the few-row products of Q4_0/Q4_1
-weights instead: the activations are quantized to 8 bits per block and multiplied in integer dot
-products (kernels/csrc/linear_q8.cpp, llama.cpp's arithmetic), about twice as fast; the result
-is the float product with each activation rounded to its block's step (`linear_q8_reference`).
+With `--packed-activations int8`, `PackedLinearQ8` takes every product of Q4_0/Q4_1 weights
+instead: the activations are quantized to 8 bits per block and multiplied in integer dot
+products (kernels/csrc/linear_q8.cpp, llama.cpp's arithmetic), about twice as fast for few rows
+and faster than the dense GEMM for many; the result is the float product with each activation
+rounded to its block's step (`linear_q8_reference`).
 
 `quantize` packs float weights (`--weight-dtype int8` -> Q8_0, `int4` -> Q4_1) the way llama.cpp's
 reference quantizers do.
@@ -166,10 +167,10 @@ class PackedLinear(DirectCall, nn.Module):
 
 
 class PackedLinearQ8(PackedLinear):
-    """A Q4_0/Q4_1 PackedLinear whose few-row products quantize the activations to 8 bits per
-    32-block and sum integer products (kernels/csrc/linear_q8.cpp). Its rows are kept in that
-    kernel's interleaved order (the same bytes, reordered once); many rows dequantize them and run
-    the dense GEMM, exactly as PackedLinear does."""
+    """A Q4_0/Q4_1 PackedLinear whose products quantize the activations to 8 bits per 32-block
+    and sum integer products (kernels/csrc/linear_q8.cpp), for one row or thousands, as
+    llama.cpp does. Its rows are kept in that kernel's panels of 16 (GGUF's bytes, reordered
+    once; `gguf_rows` gives them back)."""
 
     FORMATS = ("q4_0", "q4_1")
 
@@ -181,19 +182,26 @@ class PackedLinearQ8(PackedLinear):
             raise ValueError(f"--packed-activations int8 needs the compiled linear_q8 kernel: {kernels.failure('linear_q8')}")
         if linear.qweight.device.type != "cpu":
             raise ValueError("--packed-activations int8 runs on CPU only")
-        interleaved = q8.interleave(linear.qweight, linear.fmt.ggml_type, linear.in_features)
-        super().__init__(PackedWeight(linear.fmt, interleaved, (linear.out_features, linear.in_features)), linear.bias)
+        super().__init__(PackedWeight(linear.fmt, linear.qweight, (linear.out_features, linear.in_features)), linear.bias)
+        self.qweight = q8.pack_panels(linear.qweight, linear.fmt.ggml_type, linear.in_features)
         self.q8 = q8
 
-    def _few_row_kernel(self, x: torch.Tensor) -> bool:
-        return True  # built on CPU with its kernel, or refused
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return self._product(x)  # straight to the kernel (each torch op costs ~1 us)
+        y = self._product(x.reshape(-1, self.in_features).float()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
-    def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,  # type: ignore[no-any-return]
+                                 self.bias)
+
+    def gguf_rows(self) -> torch.Tensor:
+        """The weight's GGUF rows [N, row bytes]."""
+        return self.q8.unpack_panels(self.qweight, self.fmt.ggml_type, self.in_features, self.out_features)  # type: ignore[no-any-return]
 
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        gguf = self.q8.deinterleave(self.qweight, self.fmt.ggml_type, self.in_features)
-        return dequantize(gguf, self.fmt, self.in_features, self.kernel, dtype)
+        return dequantize(self.gguf_rows(), self.fmt, self.in_features, self.kernel, dtype)
 
 
 def use_int8_activations(model: nn.Module) -> None:

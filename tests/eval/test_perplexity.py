@@ -13,7 +13,7 @@ import torch
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.eval.perplexity import Windows, perplexity
-from tests.conftest import make_engine
+from tests.conftest import compiled_kernel, make_engine
 
 
 def shakespeare(play="tragedies/hamlet.md", chars=6000):
@@ -142,3 +142,14 @@ def test_the_command_prints_json_and_refuses_bad_input(stories_path, tmp_path):
                           (["--text", str(tmp_path / "missing.txt")], "missing.txt")):
         p = run(*args)
         assert p.returncode == 2 and message in p.stderr and "Traceback" not in p.stderr
+
+
+def test_int8_activations_cost_little_perplexity(smollm2, hamlet_ids):
+    """--packed-activations int8 (every Q4_1 product with activations rounded to 8 bits a block,
+    prompt and decode alike, as llama.cpp computes) against the same weights dequantized to fp32,
+    on Hamlet: perplexity within 1% (measured: +0.06%, mean KL 0.002, top-1 agreement 98%)."""
+    compiled_kernel("linear_q8")  # skips where compiled kernels are off
+    opts = dict(max_model_len=512, max_num_batched_tokens=128, max_prefill_chunk=128, max_num_seqs=1)
+    q8 = perplexity(make_engine(smollm2, packed_activations="int8", **opts), hamlet_ids, 256, 256,
+                    make_engine(smollm2, weight_dtype="float32", **opts))
+    assert abs(q8.delta_perplexity) < 0.01 and 0 < q8.mean_kl < 0.01 and q8.top1_agreement > 0.9

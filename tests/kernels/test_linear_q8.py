@@ -1,9 +1,9 @@
 """The int8-activation kernel (kernels/csrc/linear_q8.cpp) on every code path this CPU runs
-(portable always, AVX-512 VNNI where present): its interleaved order holds GGUF's bytes and gives
+(portable always, AVX-512 VNNI where present): its panels of 16 rows hold GGUF's bytes and give
 them back; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
 dx = max|x| / 127, times the dequantized weight) within fp32 summation error, for odd shapes,
-groups of 16 blocks and their remainders, and 1 to 64 rows; and they are within the derived bound
-of dequantize-then-multiply:
+a last panel of fewer than 16 rows, tiles of four rows and their remainders, and 1 to 200 rows;
+and they are within the derived bound of dequantize-then-multiply:
 
     |y - x @ W^T| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|
 
@@ -35,31 +35,38 @@ def rounding_bound(x, w):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", Q4)
-@pytest.mark.parametrize("k", [32, 96, 512, 576, 1536, 800])
-def test_interleaving_keeps_the_bytes(isa, fmt, k):
+@pytest.mark.parametrize("n, k", [(7, 32), (16, 96), (33, 576), (48, 1536), (5, 800)])
+def test_panels_keep_the_bytes(isa, fmt, n, k):
     kernel = compiled_kernel("linear_q8", isa)
     assert kernel.isa() == isa
-    p = packed(7, k, fmt)
-    inter = kernel.interleave(p.data, p.fmt.ggml_type, k)
-    assert inter.shape == p.data.shape and not torch.equal(inter, p.data)
-    assert torch.equal(inter.sort(dim=1).values, p.data.sort(dim=1).values)  # the same bytes a row
-    assert torch.equal(kernel.deinterleave(inter, p.fmt.ggml_type, k), p.data)
+    p = packed(n, k, fmt)
+    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
+    rows = -(-n // 16) * 16
+    assert panels.shape == (rows, p.data.shape[1])
+    # the same bytes, and zeros for the padding rows
+    assert torch.equal(panels.flatten().sort().values[rows * p.data.shape[1] - p.data.numel():],
+                       p.data.flatten().sort().values)
+    assert torch.equal(kernel.unpack_panels(panels, p.fmt.ggml_type, k, n), p.data)
+    with pytest.raises(RuntimeError, match="panel rows"):
+        kernel.linear_q8(torch.randn(1, k), panels, p.fmt.ggml_type, k, n + 16, None)
 
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", Q4)
-@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (192, 576), (576, 1536), (33, 800)])
+@pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (192, 576), (576, 1536), (33, 800), (48, 64)])
 def test_products_equal_the_reference(isa, fmt, n, k):
     kernel = compiled_kernel("linear_q8", isa)
     p = packed(n, k, fmt, seed=n + k)
-    inter = kernel.interleave(p.data, p.fmt.ggml_type, k)
+    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
     w = dequantize_torch(p.data, p.fmt, k)
     g = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 7, 8, 17, 64):
+    for m in (1, 2, 3, 4, 5, 7, 8, 17, 64, 200):
+        if isa == "portable" and m == 200 and n * k > 100_000:
+            continue  # the scalar loop: 64 rows cover its tiles
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
         x[0, :32] = 0  # a block of zeros: dx = 0
         bias = torch.randn(n, generator=g) if m % 2 else None
-        y = kernel.linear_q8(x, inter, p.fmt.ggml_type, k, bias)
+        y = kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias)
         assert y.shape == (m, n) and y.dtype == torch.float32
         ref = linear_q8_reference(x, p) + (bias.double() if bias is not None else 0)
         # the integer sums are exact; the float ones in another order: k ulps of the magnitudes
@@ -80,19 +87,25 @@ def test_the_reference_rounds_as_described(isa):
     w = dequantize_torch(p.data, p.fmt, 32).double()
     assert torch.allclose(linear_q8_reference(x, p), rounded.double() @ w.T)
     kernel = compiled_kernel("linear_q8", isa)
-    y = kernel.linear_q8(x, kernel.interleave(p.data, p.fmt.ggml_type, 32), p.fmt.ggml_type, 32, None)
+    y = kernel.linear_q8(x, kernel.pack_panels(p.data, p.fmt.ggml_type, 32), p.fmt.ggml_type, 32, 5, None)
     assert torch.allclose(y.double(), rounded.double() @ w.T, rtol=1e-6, atol=1e-5)
 
 
-def test_module_takes_many_rows_through_the_dense_gemm():
-    """PackedLinearQ8: few rows through the kernel, many (prefill) dequantized exactly."""
+def test_module_takes_every_row_count_through_the_kernel():
+    """PackedLinearQ8: one row or many (prefill), leading dimensions, bf16 activations, all the
+    kernel's product; the GGUF rows come back from its panels."""
     compiled_kernel("linear_q8")
-    p = packed(64, 576, "q4_1")
+    p = packed(40, 576, "q4_1")
     layer = PackedLinearQ8(PackedLinear(p))
-    w = dequantize_torch(p.data, p.fmt, 576)
-    x = torch.randn(20, 576)
-    assert torch.allclose(layer(x), x @ w.T, rtol=1e-5, atol=1e-4)  # exact but for summation order
-    few = layer(x[:3])
-    assert torch.allclose(few.double(), linear_q8_reference(x[:3], p), rtol=1e-5, atol=1e-4)
+    assert torch.equal(layer.gguf_rows(), p.data)
+    assert torch.equal(layer._dense_weight(torch.float32), dequantize_torch(p.data, p.fmt, 576))
+    x = torch.randn(2, 30, 576)
+    ref = linear_q8_reference(x.reshape(60, 576), p).reshape(2, 30, 40)
+    assert torch.allclose(layer(x).double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.allclose(layer(x[0, :3]).double(), ref[0, :3], rtol=1e-5, atol=1e-4)
+    y = layer(x.bfloat16())
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 30, 40)
+    assert torch.allclose(y.double(), linear_q8_reference(x.bfloat16().float().reshape(60, 576), p).reshape(2, 30, 40),
+                          rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="not q8_0"):
         PackedLinearQ8(PackedLinear(packed(8, 64, "q8_0")))

@@ -88,12 +88,13 @@ def test_cli_weight_dtype(smollm2_path, capsys):
 
 
 def test_int8_activations_follow_the_float_model(smollm2):
-    """--packed-activations int8 (Q4_1 x 8-bit activations, integer dots, as llama.cpp): the prompt
-    (many rows: the exact dense path) gives the float model's logits; each decode step's logits
-    stay within 15% (relative norm; observed up to 12%, each product being within its derived
-    bound, tests/kernels/test_linear_q8.py) of the fp32 model's on the same tokens, and greedy
-    tokens agree until a step where the reference's top two are closer than the step's largest
-    logit gap (a near-tie; observed: 3 of 4 golden prompts never part, the fourth after 25)."""
+    """--packed-activations int8 (Q4_1 x 8-bit activations, integer dots, as llama.cpp, for the
+    prompt's many rows as for decode's one): each step's logits, the prompt's first, stay within
+    25% (relative norm; observed up to 17%, each product being within its derived bound,
+    tests/kernels/test_linear_q8.py) of the fp32 model's on the same tokens, and greedy tokens
+    agree until a step where the reference's top two are closer than the step's largest logit
+    gap (a near-tie; observed: 79 of 126 tokens before the four golden prompts part). What the
+    rounding costs over a text: tests/eval/test_perplexity.py (+0.06% perplexity)."""
     from kvserve.models.packed import PackedLinearQ8
     if kernels_off():
         pytest.skip("compiled kernels are turned off (KVSERVE_KERNELS=off)")
@@ -104,19 +105,19 @@ def test_int8_activations_follow_the_float_model(smollm2):
     params = SamplingParams(temperature=0, max_tokens=32)
     outs_q, logits_q = run_collecting_logits(q8, GOLDEN, params)
     outs_d, logits_d = run_collecting_logits(dense, GOLDEN, params)
-    agreed = 0
+    agreed, worst = 0, 0.0
     for a, b in zip(outs_q, outs_d):
         lq, ld = logits_q[a.request_id], logits_d[b.request_id]
-        assert (lq[0] - ld[0]).abs().max() < 2e-3  # the prompt: the exact path
         ta, tb = a.outputs[0].token_ids, b.outputs[0].token_ids
         for step, (x, y) in enumerate(zip(lq, ld)):
-            assert ((x - y).norm() / y.norm()).item() < 0.15
+            worst = max(worst, ((x - y).norm() / y.norm()).item())
             if ta[step] != tb[step]:
                 top2 = y.topk(2).values
                 assert (top2[0] - top2[1]) < 2 * (x - y).abs().max()  # parted at a near-tie
                 break
             agreed += 1
-    assert agreed >= 0.75 * sum(len(o.outputs[0].token_ids) for o in outs_d)
+    assert worst < 0.25
+    assert agreed >= 0.5 * sum(len(o.outputs[0].token_ids) for o in outs_d)
 
 
 def test_packed_activations_errors_name_the_problem(tiny_llama, monkeypatch):
