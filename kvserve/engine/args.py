@@ -59,10 +59,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "float ones in --dtype; float32/bfloat16/float16 (= --dtype) dequantize everything; "
                         "int8/int4 pack float weights as Q8_0/Q4_1 at load")
     g.add_argument("--packed-activations", default="float", choices=PACKED_ACTIVATIONS,
-                   help="what Q4_0/Q4_1 weights multiply by at decode: float (exact: dequantize-then-"
+                   help="what packed Q8_0/Q4_0/Q4_1 weights multiply by: float (exact: dequantize-then-"
                         "multiply in fp32) or int8 (activations quantized to 8 bits per 32-block, integer "
-                        "dot products as llama.cpp does: about twice as fast, each activation off by up "
-                        "to half a quantization step)")
+                        "dot products as llama.cpp does, prompt and decode alike: faster at every batch "
+                        "size, each activation off by up to half a quantization step)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
                         "fp8_e5m2, int8 or int4 (see the README's memory section)")

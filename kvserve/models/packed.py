@@ -172,7 +172,7 @@ class PackedLinearQ8(PackedLinear):
     llama.cpp does. Its rows are kept in that kernel's panels of 16 (GGUF's bytes, reordered
     once; `gguf_rows` gives them back)."""
 
-    FORMATS = ("q4_0", "q4_1")
+    FORMATS = ("q4_0", "q4_1", "q8_0")
 
     def __init__(self, linear: PackedLinear) -> None:
         if linear.fmt.name not in self.FORMATS:
@@ -196,20 +196,27 @@ class PackedLinearQ8(PackedLinear):
         return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,  # type: ignore[no-any-return]
                                  self.bias)
 
-    def gguf_rows(self) -> torch.Tensor:
-        """The weight's GGUF rows [N, row bytes]."""
-        return self.q8.unpack_panels(self.qweight, self.fmt.ggml_type, self.in_features, self.out_features)  # type: ignore[no-any-return]
+    def gguf_rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The weight's GGUF rows [N, row bytes], or those `index` names."""
+        return self.q8.unpack_panels(self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,  # type: ignore[no-any-return]
+                                     index)
 
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(self.gguf_rows(), self.fmt, self.in_features, self.kernel, dtype)
 
 
 def use_int8_activations(model: nn.Module) -> None:
-    """Give every Q4_0/Q4_1 PackedLinear of the model (fused ones too) int8 activations."""
+    """Give every packed linear of the model (fused ones too) int8 activations. A head tied to a
+    packed embedding keeps one copy: the embedding then looks its rows up in the head's panels."""
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    tied = isinstance(embed, PackedEmbedding) and isinstance(head, PackedLinear) and head.qweight is embed.qweight
     for owner in list(model.modules()):
         for name, child in list(owner.named_children()):
             if type(child) is PackedLinear and child.fmt.name in PackedLinearQ8.FORMATS:
                 setattr(owner, name, PackedLinearQ8(child))
+    if tied:
+        model.model.embed_tokens = PanelEmbedding(model.lm_head, embed.dtype)  # type: ignore[union-attr,arg-type]
 
 
 def linear_q8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
@@ -236,6 +243,22 @@ class PackedEmbedding(DirectCall, nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]
         return dequantize(rows, self.fmt, self.embedding_dim, self.kernel, self.dtype).reshape(*ids.shape, self.embedding_dim)
+
+
+class PanelEmbedding(DirectCall, nn.Module):
+    """An embedding over a PackedLinearQ8's panels (a tied head's): the looked-up rows are taken
+    out of the panels in GGUF's order and dequantized, to `dtype`; no second copy of the table."""
+
+    def __init__(self, table: PackedLinearQ8, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table = [table]  # not a submodule: the model holds it as its head
+        self.fmt, self.dtype = table.fmt, dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        table = self.table[0]
+        rows = table.gguf_rows(ids.reshape(-1))
+        return dequantize(rows, self.fmt, self.embedding_dim, table.kernel, self.dtype).reshape(*ids.shape, self.embedding_dim)
 
 
 class FusedPacked(nn.Module):

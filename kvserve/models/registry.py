@@ -122,7 +122,7 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
     """Instantiate without initialising (meta device), then adopt the loaded tensors. Packed
     weights (a GGUF's Q8_0/Q4_0/Q4_1) stay packed with weight_dtype auto and are dequantized to
     `dtype` otherwise; int8/int4 pack every float matrix whose rows split into 32-weight blocks.
-    packed_activations int8 gives the Q4_0/Q4_1 ones integer few-row products (PackedLinearQ8)."""
+    packed_activations int8 gives them integer products with 8-bit activations (PackedLinearQ8)."""
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)

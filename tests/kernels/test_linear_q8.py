@@ -1,6 +1,6 @@
-"""The int8-activation kernel (kernels/csrc/linear_q8.cpp) on every code path this CPU runs
-(portable always, AVX-512 VNNI where present): its panels of 16 rows hold GGUF's bytes and give
-them back; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
+"""The int8-activation kernel (kernels/csrc/linear_q8.cpp) for Q4_0, Q4_1 and Q8_0 weights on
+every code path this CPU runs (portable always, AVX2 and AVX-512 VNNI where present): its panels
+of 16 rows hold GGUF's bytes and give them back, all or the rows an index names; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
 dx = max|x| / 127, times the dequantized weight) within fp32 summation error, for odd shapes,
 a last panel of fewer than 16 rows, tiles of four rows and their remainders, and 1 to 200 rows;
 and they are within the derived bound of dequantize-then-multiply:
@@ -16,7 +16,7 @@ from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, dequant
 from tests.conftest import compiled_kernel, kernel_isas
 
 ISAS = kernel_isas("linear_q8")
-Q4 = ["q4_0", "q4_1"]
+FMTS = ["q4_0", "q4_1", "q8_0"]
 
 
 def packed(n, k, fmt, seed=0):
@@ -34,7 +34,7 @@ def rounding_bound(x, w):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", Q4)
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n, k", [(7, 32), (16, 96), (33, 576), (48, 1536), (5, 800)])
 def test_panels_keep_the_bytes(isa, fmt, n, k):
     kernel = compiled_kernel("linear_q8", isa)
@@ -52,7 +52,7 @@ def test_panels_keep_the_bytes(isa, fmt, n, k):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("fmt", Q4)
+@pytest.mark.parametrize("fmt", FMTS)
 @pytest.mark.parametrize("n, k", [(1, 32), (37, 96), (192, 576), (576, 1536), (33, 800), (48, 64)])
 def test_products_equal_the_reference(isa, fmt, n, k):
     kernel = compiled_kernel("linear_q8", isa)
@@ -98,6 +98,9 @@ def test_module_takes_every_row_count_through_the_kernel():
     p = packed(40, 576, "q4_1")
     layer = PackedLinearQ8(PackedLinear(p))
     assert torch.equal(layer.gguf_rows(), p.data)
+    assert torch.equal(layer.gguf_rows(torch.tensor([39, 0, 17, 17])), p.data[[39, 0, 17, 17]])
+    with pytest.raises(RuntimeError, match="row 40 is not in 0..39"):
+        layer.gguf_rows(torch.tensor([40]))
     assert torch.equal(layer._dense_weight(torch.float32), dequantize_torch(p.data, p.fmt, 576))
     x = torch.randn(2, 30, 576)
     ref = linear_q8_reference(x.reshape(60, 576), p).reshape(2, 30, 40)
@@ -107,5 +110,8 @@ def test_module_takes_every_row_count_through_the_kernel():
     assert y.dtype == torch.bfloat16 and y.shape == (2, 30, 40)
     assert torch.allclose(y.double(), linear_q8_reference(x.bfloat16().float().reshape(60, 576), p).reshape(2, 30, 40),
                           rtol=1e-2, atol=1e-2)
-    with pytest.raises(ValueError, match="not q8_0"):
-        PackedLinearQ8(PackedLinear(packed(8, 64, "q8_0")))
+    q8_0 = packed(24, 64, "q8_0")
+    q8_0.data[0, 2] = 128  # q = -128: GGUF allows it, though llama.cpp's quantizer makes -127..127
+    x = torch.randn(9, 64)
+    assert torch.allclose(PackedLinearQ8(PackedLinear(q8_0))(x).double(), linear_q8_reference(x, q8_0),
+                          rtol=1e-5, atol=1e-4)

@@ -1,24 +1,28 @@
-// y = x @ W^T with W in GGUF's Q4_0 / Q4_1 blocks and x quantized to 8 bits per 32-block, the
-// products summed as integers: llama.cpp's Q4 x Q8 dot products, for one row of x (decode) or
-// thousands (prefill, big batches). Unpacking nibbles to floats costs more than reading them; an
-// integer dot product takes the nibbles as bytes (AVX-512 VNNI: 64 byte products summed by fours
-// in one instruction), and a tile of rows of x reuses each weight it loads.
+// y = x @ W^T with W in GGUF's Q4_0 / Q4_1 / Q8_0 blocks and x quantized to 8 bits per 32-block,
+// the products summed as integers: llama.cpp's Q4 x Q8 and Q8 x Q8 dot products, for one row of
+// x (decode) or thousands (prefill, big batches). Unpacking nibbles to floats costs more than
+// reading them; an integer dot product takes the nibbles as bytes (AVX-512 VNNI: 64 byte products
+// summed by fours in one instruction), and a tile of rows of x reuses each weight it loads.
 //
 // Activations, per row of x and block b of 32 (what llama.cpp's Q8_1 holds, with dx in fp32):
 //   dx = max|x| / 127,  xq = round(x / dx) as int8 (0 where dx is 0),  sumq = sum(xq)
-// Weights: Q4_1 w = d q + m, Q4_0 w = d (q - 8), q in 0..15. A block contributes
-//   Q4_1   d dx S + m dx sumq       Q4_0   d dx (S - 8 sumq)       S = sum(q xq), exact in int32
+// Weights: Q4_1 w = d q + m, Q4_0 w = d (q - 8), q in 0..15; Q8_0 w = d q, q in -128..127.
+// A block contributes
+//   Q4_1  d dx S + m dx sumq     Q4_0  d dx (S - 8 sumq)     Q8_0  d dx S      S = sum(q xq), exact
 // so the result is the float product of W with the rounded x (each x off by at most dx / 2), up
 // to the order of the float sums. kvserve.models.packed.linear_q8_reference is the same in torch.
+// The unsigned-times-signed byte products take Q4's q as they are and Q8_0's as |q| times x with
+// q's sign.
 //
 // Weight layout ("panels"; GGUF's bytes, reordered once at load): the rows of W go in panels of
 // 16 (the last one padded with zero rows), a panel being 16 * row bytes:
-//   [nibbles: nb * 256 bytes][d: nb * 16 fp16][m: nb * 16 fp16, Q4_1 only]
-// Block b's nibbles sit at b * 256 in four chunks of 64 bytes; chunk c holds, for each of the 16
-// rows n in turn, GGUF bytes 4c..4c+3 of that row's block: weights 4c..4c+3 in the low nibbles,
-// 16+4c..16+4c+3 in the high ones. One 64-byte load is then four weights of each of 16 rows, a
-// VNNI lane sums one output (rows of W are the 16 lanes), and the per-block scales of the 16
-// rows are one vector. The four x bytes a lane meets are the same for every lane: a broadcast.
+//   [weights: nb * 256 bytes (Q8_0: 512)][d: nb * 16 fp16][m: nb * 16 fp16, Q4_1 only]
+// Block b's weight bytes sit at b * 256 (512) in chunks of 64 bytes; chunk c holds, for each of
+// the 16 rows n in turn, GGUF bytes 4c..4c+3 of that row's block: for Q4, weights 4c..4c+3 in the
+// low nibbles and 16+4c..16+4c+3 in the high ones; for Q8_0, weights 4c..4c+3. One 64-byte load
+// is then four weights of each of 16 rows, a VNNI lane sums one output (rows of W are the 16
+// lanes), and the per-block scales of the 16 rows are one vector. The four x bytes a lane meets
+// are the same for every lane: a broadcast.
 //
 // Paths: AVX-512 VNNI (a vector is a panel), AVX2 (half a panel; the byte dot product takes two
 // instructions), and a portable loop over the same layout (kvserve/kernels builds this file once
@@ -40,10 +44,13 @@
 
 namespace {
 
-constexpr int kQ4_0 = 2, kQ4_1 = 3;
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32, kPanel = 16;
 
-inline int64_t block_bytes(int64_t fmt) { return fmt == kQ4_0 ? 18 : 20; }
+inline int64_t block_bytes(int64_t fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
+// A block's weight bytes in a panel (16 rows), and the bytes of its head (d, and m) in GGUF.
+inline int64_t quant_bytes(int64_t fmt) { return fmt == kQ8_0 ? 512 : 256; }
+inline int64_t head_bytes(int64_t fmt) { return fmt == kQ4_1 ? 4 : 2; }
 inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
 
 inline float half_at(const uint8_t* p) {
@@ -73,6 +80,13 @@ struct V {
   static I high(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(15)); }
   static I zero() { return _mm512_setzero_si512(); }
   static I dot(I acc, I u8, I s8) { return _mm512_dpbusd_epi32(acc, u8, s8); }
+  // a block's Q4 sums: the same dot products, whole in int32 already
+  static I dot_q4(I acc, I u8, I s8) { return dot(acc, u8, s8); }
+  static I finish_q4(I acc) { return acc; }
+  // s8 x s8: |w| as the unsigned side, x negated where w is negative
+  static I dot_signed(I acc, I w, I x) {
+    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
+  }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -112,6 +126,12 @@ struct V {
   static I dot(I acc, I u8, I s8) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u8, s8), _mm256_set1_epi16(1)));
   }
+  // a block's Q4 sums kept in int16 lanes (pairs of products, at most 2 * 15 * 127 = 3810; eight
+  // of them 30480) and widened once a block: 9 multiplying instructions instead of 16
+  static I dot_q4(I acc, I u8, I s8) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u8, s8)); }
+  static I finish_q4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+  // s8 x s8: |w| (at most 128) as the unsigned side, so pairs stay within int16
+  static I dot_signed(I acc, I w, I x) { return dot(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
@@ -193,14 +213,14 @@ struct Out {
 };
 
 #if defined(__AVX2__)
-constexpr int64_t kPrefetchBlocks = 48;
+constexpr int64_t kPrefetchBytes = 12288;
 
 // Rows m0..m0+MR of x times the NV vectors of W rows from row n0 (a multiple of the lanes).
 // Row n's bytes sit in panel n / 16 (`pb` bytes each) at lane n % 16.
 template <int FMT, int MR, int NV>
 inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, int64_t K, const Out& out,
                  int64_t n0) {
-  const int64_t nb = K / kBlock;
+  const int64_t nb = K / kBlock, qb = quant_bytes(FMT);
   const uint8_t* col[NV];
   for (int v = 0; v < NV; ++v) {
     const int64_t n = n0 + v * V::kLanes;
@@ -215,14 +235,20 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       for (int v = 0; v < NV; ++v) S[m][v] = V::zero();
     if (MR == 1)  // a single row streams W: ask for it 12 KB ahead (30 layers of SmolLM2: 3.1 -> 2.0 ms)
       for (int v = 0; v < NV; v += 64 / (4 * V::kLanes))
-        for (int c = 0; c < 4; ++c)
-          _mm_prefetch(reinterpret_cast<const char*>(col[v] + (b + kPrefetchBlocks) * 256 + c * 64), _MM_HINT_T0);
+        for (int64_t at = 0; at < qb; at += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(col[v] + b * qb + kPrefetchBytes + at), _MM_HINT_T0);
     for (int c = 0; c < 4; ++c) {
+      // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
-        const typename V::I bytes = V::load(col[v] + b * 256 + c * 64);
-        lo[v] = V::low(bytes);
-        hi[v] = V::high(bytes);
+        if (FMT == kQ8_0) {
+          lo[v] = V::load(col[v] + b * qb + c * 64);
+          hi[v] = V::load(col[v] + b * qb + (c + 4) * 64);
+        } else {
+          const typename V::I bytes = V::load(col[v] + b * qb + c * 64);
+          lo[v] = V::low(bytes);
+          hi[v] = V::high(bytes);
+        }
       }
       for (int m = 0; m < MR; ++m) {
         const int8_t* xb = q.xq.data() + (m0 + m) * K + b * kBlock;
@@ -230,12 +256,14 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
         std::memcpy(&xl, xb + 4 * c, 4);
         std::memcpy(&xh, xb + 16 + 4 * c, 4);
         const typename V::I bl = V::set1(xl), bh = V::set1(xh);
-        for (int v = 0; v < NV; ++v) S[m][v] = V::dot(V::dot(S[m][v], lo[v], bl), hi[v], bh);
+        for (int v = 0; v < NV; ++v)
+          S[m][v] = FMT == kQ8_0 ? V::dot_signed(V::dot_signed(S[m][v], lo[v], bl), hi[v], bh)
+                                 : V::dot_q4(V::dot_q4(S[m][v], lo[v], bl), hi[v], bh);
       }
     }
     typename V::F d[NV], mn[NV];
     for (int v = 0; v < NV; ++v) {
-      const uint8_t* scales = col[v] - (n0 + v * V::kLanes) % kPanel * 2 + nb * 256 + b * 32;
+      const uint8_t* scales = col[v] - (n0 + v * V::kLanes) % kPanel * 2 + nb * qb + b * 32;
       d[v] = V::halves(scales);
       mn[v] = FMT == kQ4_1 ? V::halves(scales + nb * 32) : V::zerof();
     }
@@ -244,7 +272,8 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       const typename V::F dx = V::set1f(q.dx[at]), sx = V::set1f(q.sx[at]);
       const typename V::I eight_sumq = V::set1(8 * q.sumq[at]);
       for (int v = 0; v < NV; ++v) {
-        const typename V::I s = FMT == kQ4_0 ? V::sub(S[m][v], eight_sumq) : S[m][v];
+        const typename V::I whole = FMT == kQ8_0 ? S[m][v] : V::finish_q4(S[m][v]);
+        const typename V::I s = FMT == kQ4_0 ? V::sub(whole, eight_sumq) : whole;
         acc[m][v] = V::fma(V::tofloat(s), V::mul(d[v], dx), acc[m][v]);
         if (FMT == kQ4_1) acc[m][v] = V::fma(mn[v], sx, acc[m][v]);
       }
@@ -263,7 +292,7 @@ constexpr int kLanes = V::kLanes, kRowTile = V::kRows, kColTile = V::kCols, kUni
 template <int FMT, int MR, int NV>
 inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, int64_t K, const Out& out,
                  int64_t n0) {
-  const int64_t nb = K / kBlock;
+  const int64_t nb = K / kBlock, qb = quant_bytes(FMT);
   for (int r = 0; r < NV; ++r) {
     const uint8_t* p = w + (n0 / kPanel + r) * pb;
     float acc[MR][kPanel] = {};
@@ -272,13 +301,16 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       for (int c = 0; c < 4; ++c)
         for (int n = 0; n < kPanel; ++n)
           for (int t = 0; t < 4; ++t) {
-            const uint8_t byte = p[b * 256 + c * 64 + n * 4 + t];
+            const uint8_t byte = p[b * qb + c * 64 + n * 4 + t];
+            // the weights meeting x[4c + t] and x[16 + 4c + t]
+            const int32_t lo = FMT == kQ8_0 ? static_cast<int8_t>(byte) : byte & 15;
+            const int32_t hi = FMT == kQ8_0 ? static_cast<int8_t>(p[b * qb + (c + 4) * 64 + n * 4 + t]) : byte >> 4;
             for (int m = 0; m < MR; ++m) {
               const int8_t* xb = q.xq.data() + (m0 + m) * K + b * kBlock;
-              S[m][n] += (byte & 15) * xb[4 * c + t] + (byte >> 4) * xb[16 + 4 * c + t];
+              S[m][n] += lo * xb[4 * c + t] + hi * xb[16 + 4 * c + t];
             }
           }
-      const uint8_t* scales = p + nb * 256 + b * 32;
+      const uint8_t* scales = p + nb * qb + b * 32;
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * nb + b;
         for (int n = 0; n < kPanel; ++n) {
@@ -326,7 +358,7 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
 }
 
 void check(const torch::Tensor& w, int64_t fmt, int64_t K) {
-  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1, "format must be Q4_0 (2) or Q4_1 (3)");
+  TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "format must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(K > 0 && K % kBlock == 0, "K must be a positive multiple of 32");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
               "W: contiguous uint8 [N, K / 32 * block bytes] on CPU");
@@ -343,12 +375,13 @@ std::string isa() {
 #endif
 }
 
-// Byte offsets, within a panel, of row n's block b: its nibble byte j (0..15), its d and m.
+// Byte offsets, within a panel, of row n's block b: its weight byte j (16 of Q4's, 32 of Q8_0's),
+// its d and m.
 struct PanelOffsets {
-  int64_t nb;
-  int64_t nibble(int64_t n, int64_t b, int64_t j) const { return b * 256 + (j / 4) * 64 + n * 4 + j % 4; }
-  int64_t d(int64_t n, int64_t b) const { return nb * 256 + b * 32 + n * 2; }
-  int64_t m(int64_t n, int64_t b) const { return nb * 288 + b * 32 + n * 2; }
+  int64_t nb, qb;
+  int64_t quant(int64_t n, int64_t b, int64_t j) const { return b * qb + (j / 4) * 64 + n * 4 + j % 4; }
+  int64_t d(int64_t n, int64_t b) const { return nb * qb + b * 32 + n * 2; }
+  int64_t m(int64_t n, int64_t b) const { return nb * (qb + 32) + b * 32 + n * 2; }
 };
 
 // GGUF rows [N, row bytes] -> panels [panels(N) * 16, row bytes] (zero rows padding the last).
@@ -358,8 +391,8 @@ torch::Tensor pack_panels(torch::Tensor w, int64_t fmt, int64_t K) {
   auto out = torch::zeros({np * kPanel, rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const PanelOffsets at{nb};
-  const int64_t head = fmt == kQ4_1 ? 4 : 2;  // d (and m) before a GGUF block's nibbles
+  const PanelOffsets at{nb, quant_bytes(fmt)};
+  const int64_t head = head_bytes(fmt), weight_bytes = bb - head;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       uint8_t* p = dst + row / kPanel * kPanel * rb;
@@ -368,33 +401,39 @@ torch::Tensor pack_panels(torch::Tensor w, int64_t fmt, int64_t K) {
         const uint8_t* blk = src + row * rb + b * bb;
         std::memcpy(p + at.d(n, b), blk, 2);
         if (fmt == kQ4_1) std::memcpy(p + at.m(n, b), blk + 2, 2);
-        for (int64_t c = 0; c < 4; ++c) std::memcpy(p + at.nibble(n, b, 4 * c), blk + head + 4 * c, 4);
+        for (int64_t j = 0; j < weight_bytes; j += 4) std::memcpy(p + at.quant(n, b, j), blk + head + j, 4);
       }
     }
   });
   return out;
 }
 
-// Panels -> the first N GGUF rows.
-torch::Tensor unpack_panels(torch::Tensor w, int64_t fmt, int64_t K, int64_t N) {
+// Panels of N rows -> GGUF rows: all N, or those `index` names (an embedding's lookup).
+torch::Tensor unpack_panels(torch::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<torch::Tensor> index) {
   check(w, fmt, K);
   TORCH_CHECK(N >= 0 && w.size(0) == panels(N) * kPanel, "panels hold ", w.size(0), " rows, not panels of ", N);
-  const int64_t rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt);
-  auto out = torch::empty({N, rb}, w.options());
+  torch::Tensor rows = index.has_value() && index->defined() ? index->to(at::kLong).contiguous().view(-1)
+                                                              : torch::arange(N, torch::kLong);
+  const int64_t* ids = rows.data_ptr<int64_t>();
+  const int64_t R = rows.numel(), rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt);
+  for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ids[r] >= 0 && ids[r] < N, "row ", ids[r], " is not in 0..", N - 1);
+  auto out = torch::empty({R, rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const PanelOffsets at{nb};
-  const int64_t head = fmt == kQ4_1 ? 4 : 2;
-  for (int64_t row = 0; row < N; ++row) {
-    const uint8_t* p = src + row / kPanel * kPanel * rb;
-    const int64_t n = row % kPanel;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t* blk = dst + row * rb + b * bb;
-      std::memcpy(blk, p + at.d(n, b), 2);
-      if (fmt == kQ4_1) std::memcpy(blk + 2, p + at.m(n, b), 2);
-      for (int64_t c = 0; c < 4; ++c) std::memcpy(blk + head + 4 * c, p + at.nibble(n, b, 4 * c), 4);
+  const PanelOffsets at{nb, quant_bytes(fmt)};
+  const int64_t head = head_bytes(fmt), weight_bytes = bb - head;
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint8_t* p = src + ids[r] / kPanel * kPanel * rb;
+      const int64_t n = ids[r] % kPanel;
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* blk = dst + r * rb + b * bb;
+        std::memcpy(blk, p + at.d(n, b), 2);
+        if (fmt == kQ4_1) std::memcpy(blk + 2, p + at.m(n, b), 2);
+        for (int64_t j = 0; j < weight_bytes; j += 4) std::memcpy(blk + head + j, p + at.quant(n, b, j), 4);
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -419,7 +458,8 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K
   const Out out{y.data_ptr<float>(), b, N};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (fmt == kQ4_0) linear_fmt<kQ4_0>(q, wp, out, M, K);
-  else linear_fmt<kQ4_1>(q, wp, out, M, K);
+  else if (fmt == kQ4_1) linear_fmt<kQ4_1>(q, wp, out, M, K);
+  else linear_fmt<kQ8_0>(q, wp, out, M, K);
   return y;
 }
 
@@ -427,8 +467,9 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction-set level this build was compiled for");
-  m.def("pack_panels", &pack_panels, "GGUF Q4_0 / Q4_1 rows -> this kernel's panels of 16 rows (the same bytes, reordered)");
-  m.def("unpack_panels", &unpack_panels, "panels -> the first N GGUF rows");
+  m.def("pack_panels", &pack_panels, "GGUF Q4_0 / Q4_1 / Q8_0 rows -> this kernel's panels of 16 rows (the same bytes, reordered)");
+  m.def("unpack_panels", &unpack_panels, "panels of N rows -> GGUF rows: all, or those an index names", py::arg("w"),
+        py::arg("fmt"), py::arg("K"), py::arg("N"), py::arg("index") = py::none());
   m.def("linear_q8", &linear_q8,
-        "fp32 x @ W^T (+ bias), x quantized to 8 bits per 32-block, W in panels of N Q4_0 / Q4_1 rows");
+        "fp32 x @ W^T (+ bias), x quantized to 8 bits per 32-block, W in panels of N Q4_0 / Q4_1 / Q8_0 rows");
 }
