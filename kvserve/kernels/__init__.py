@@ -64,11 +64,11 @@ ISAS = {
 }
 # The levels each kernel has code for, lowest first.
 KERNEL_ISAS = {
-    "paged_attention": ("portable", "avx512"),
+    "paged_attention": ("portable", "avx2", "avx512"),
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
     "linear_q8": ("portable", "avx2", "avx512_vnni"),
-    "layer_ops": ("portable", "avx512"),
+    "layer_ops": ("portable", "avx2", "avx512"),
 }
 
 _modules: dict[tuple[str, str], Any] = {}

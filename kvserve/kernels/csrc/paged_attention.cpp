@@ -21,8 +21,9 @@
 //           byte c holds channel c (low nibble) and c + D/2 (high); a block still filling
 //           (slot_of[block] >= 0) is read from its full-precision residual slot instead
 //
-// Two paths: a portable loop for any shape and any x86-64, and an AVX-512 one for head dims
-// 16/32/64/128 with up to 8 query heads per K/V head. The build decides which exist
+// Two paths: a portable loop for any shape and any x86-64 (built again for AVX2, where the
+// compiler vectorizes its loops and the exponentials and bf16/fp16 rows take 8 lanes at a time),
+// and an AVX-512 one for head dims 16/32/64/128 with up to 8 query heads per K/V head. The build decides which exist
 // (kvserve/kernels builds this file once per instruction-set level and loads the one the CPU
 // runs); `isa()` names the build.
 #include <torch/extension.h>
@@ -31,7 +32,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#if defined(__AVX512F__) || defined(__F16C__)
+#if defined(__AVX512F__) || defined(__AVX2__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -96,6 +97,16 @@ struct Dense {
             _mm512_storeu_ps(o + d, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
           else if constexpr (std::is_same_v<T, c10::Half>)
             _mm512_storeu_ps(o + d, _mm512_cvtph_ps(raw));
+          else
+            break;
+        }
+#elif defined(__AVX2__)
+        for (; d + 8 <= s.D; d += 8) {
+          const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + d));
+          if constexpr (std::is_same_v<T, c10::BFloat16>)
+            _mm256_storeu_ps(o + d, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16)));
+          else if constexpr (std::is_same_v<T, c10::Half>)
+            _mm256_storeu_ps(o + d, _mm256_cvtph_ps(raw));
           else
             break;
         }
@@ -252,6 +263,28 @@ inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, 
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
 }
 
+// s[t] = e^(s[t] - shift) for t < n; returns their sum.
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  float sum = 0.f;
+  int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = kvserve::exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), _mm256_set1_ps(shift)));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float l : lanes) sum += l;
+#endif
+  for (; t < n; ++t) {
+    s[t] = std::exp(s[t] - shift);
+    sum += s[t];
+  }
+  return sum;
+}
+
 template <typename scalar_t, typename KSrc, typename VSrc>
 void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                      scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
@@ -274,15 +307,7 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
           row_max[g] = std::max(row_max[g], sum);
         }
       });
-      for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-        for (int64_t t = 0; t < L; ++t) {
-          const float e = std::exp(scores[g * L + t] - row_max[g]);
-          scores[g * L + t] = e;
-          sum += e;
-        }
-        row_sum[g] = sum;
-      }
+      for (int64_t g = 0; g < G; ++g) row_sum[g] = exp_shifted(scores.data() + g * L, L, row_max[g]);
       std::fill(acc.begin(), acc.end(), 0.f);
       for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
         for (int64_t g = 0; g < G; ++g) {
@@ -524,6 +549,8 @@ torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k, torch::Tensor 
 std::string isa() {
 #if defined(__AVX512F__)
   return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
 #else
   return "portable";
 #endif
