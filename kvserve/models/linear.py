@@ -81,18 +81,34 @@ def onednn_available() -> bool:
         return False
 
 
-ONEDNN_DTYPES = (torch.bfloat16, torch.float32)
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 products on this CPU: it needs AVX512 (BW, VL, DQ) or
+    AVX-NE-CONVERT and refuses to reorder a bf16 weight elsewhere (AVX2-only machines)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes use_onednn reorders on this CPU: fp32 always, bf16 where oneDNN runs it
+    (elsewhere the stock F.linear computes bf16 products its own way)."""
+    return (torch.bfloat16, torch.float32) if onednn_bf16_supported() else (torch.float32,)
+
+
 ONEDNN_BATCH_HINT = 64  # the row count oneDNN picks its blocked layout for (any count runs)
 
 
 def use_onednn(model: nn.Module) -> int:
-    """Reorder the weight of every bf16 or fp32 CPU Linear that owns its weight into oneDNN's
-    blocked layout, once, in place of the plain one. Returns how many were reordered."""
+    """Reorder the weight of every fp32 CPU Linear (and bf16, where oneDNN runs bf16 on this CPU)
+    that owns its weight into oneDNN's blocked layout, once, in place of the plain one. Returns how
+    many were reordered."""
     shared = {id(p) for m in model.modules() if not isinstance(m, Linear) for p in m.parameters(recurse=False)}
+    dtypes = onednn_dtypes()
     done = 0
     for m in model.modules():
         w = m.weight if isinstance(m, Linear) else None
-        if (w is None or m.onednn_weight is not None or w.dtype not in ONEDNN_DTYPES or w.device.type != "cpu"
+        if (w is None or m.onednn_weight is not None or w.dtype not in dtypes or w.device.type != "cpu"
                 or id(w) in shared):
             continue
         m.onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), ONEDNN_BATCH_HINT)

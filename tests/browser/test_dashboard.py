@@ -75,8 +75,9 @@ def test_dashboard_draws_the_engine_state(browser, stories, tmp_path):
             "return [...document.querySelectorAll('#grid .cell')].map(c => c.className)")
         assert len(classes) == 96 and all(c in ("cell free", "cell cached") for c in classes)
         assert any(c == "cell cached" for c in classes)
+        # it keeps polling an idle engine (however quickly the requests above finished)
         updates = browser.execute_script("return window.kvDashboard.polls")
-        assert updates > 4
+        wait_for(lambda: browser.execute_script("return window.kvDashboard.polls") >= updates + 2)
         assert console_errors(browser) == []
         browser.save_screenshot(str(tmp_path / "dashboard-idle.png"))
         browser.get("about:blank")  # the page stops polling before its server goes

@@ -21,9 +21,11 @@ def test_portable_is_always_supported_and_first():
 
 def test_levels_follow_the_cpu_flags(monkeypatch):
     monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse2", "avx2", "fma"}))
-    assert kernels.supported_isas("paged_attention") == ["portable"]
+    assert kernels.supported_isas("paged_attention") == ["portable"]  # no f16c
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.ISAS["avx2"].cpu_flags)
+    assert kernels.best_isa("paged_attention") == "avx2" and kernels.supported_isas("linear_bf16") == ["portable"]
     monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.ISAS["avx512"].cpu_flags)
-    assert kernels.supported_isas("paged_attention") == ["portable", "avx512"]
+    assert kernels.supported_isas("paged_attention") == ["portable", "avx2", "avx512"]
     assert kernels.supported_isas("linear_bf16") == ["portable"]  # no avx512_bf16 flag
     monkeypatch.setattr(kernels, "cpu_flags", lambda: kernels.ISAS["avx512_bf16"].cpu_flags)
     assert kernels.best_isa("linear_bf16") == "avx512_bf16"

@@ -92,12 +92,14 @@ def test_smollm2_bf16_decode_through_the_kernel_is_as_accurate_as_exact_products
 
 
 onednn = pytest.mark.skipif(not linear.onednn_available(), reason="this PyTorch has no oneDNN prepacked linear")
+onednn_bf16 = pytest.mark.skipif(not (linear.onednn_available() and linear.onednn_bf16_supported()),
+                                 reason="oneDNN runs no bf16 products on this CPU (it needs AVX512 BW/VL/DQ)")
 
 
 @onednn
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 64, 200])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=onednn_bf16), torch.float32])
 def test_reordered_weight_gives_the_stock_product(rows, bias, dtype):
     """use_onednn changes where the weight lives, not the arithmetic. bf16: the products equal
     the stock F.linear bit for bit (the same oneDNN GEMM, which reorders the plain weight at each
@@ -126,7 +128,7 @@ def test_a_shared_weight_stays_plain():
     """A head tied to the embedding keeps its plain weight (the embedding reads it), so the
     model's weights take no more memory than before."""
     emb, head, other = torch.nn.Embedding(50, 16), linear.Linear(16, 50, bias=False), linear.Linear(16, 16)
-    model = torch.nn.ModuleList([emb, head, other]).bfloat16()
+    model = torch.nn.ModuleList([emb, head, other])
     head.weight = emb.weight
     assert linear.use_onednn(model) == 1
     assert head.onednn_weight is None and head.weight is emb.weight and other.onednn_weight is not None
@@ -134,6 +136,18 @@ def test_a_shared_weight_stays_plain():
 
 
 @onednn
+def test_bf16_weights_stay_plain_where_onednn_has_no_bf16(monkeypatch):
+    """On a CPU where oneDNN refuses bf16 (AVX2 only) the bf16 weights keep their plain layout
+    and the stock product; fp32 weights are reordered all the same."""
+    monkeypatch.setattr(linear, "onednn_bf16_supported", lambda: False)
+    half, full = linear.Linear(32, 16).bfloat16(), linear.Linear(32, 16)
+    assert linear.use_onednn(torch.nn.ModuleList([half, full])) == 1
+    assert half.onednn_weight is None and half.weight.shape == (16, 32) and full.onednn_weight is not None
+    x = torch.randn(3, 32).bfloat16()
+    assert torch.equal(half(x), torch.nn.functional.linear(x, half.weight, half.bias))
+
+
+@onednn_bf16
 @pytest.mark.slow
 def test_bf16_engine_through_reordered_weights_equals_the_stock_gemm(smollm2):
     """A bf16 SmolLM2 whose layers' weights are reordered for oneDNN (linear backend auto)
