@@ -22,7 +22,7 @@ path instead; the reason is logged once and kept in `failure(name)`.
   paged_attention  decode attention reading K/V blocks in place through the block table
   linear_bf16      bf16 x @ W^T for a few rows of x at memory bandwidth
   linear_quant     x @ W^T with W packed in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, and their dequantization
-  linear_q8        x @ W^T with W in Q4_0 / Q4_1 blocks and x quantized to 8 bits a block (integer dots)
+  linear_q8        x @ W^T with W in Q4_0 / Q4_1 / Q8_0 blocks and x quantized to 8 bits a block (integer dots)
   layer_ops        a decoder layer's RMSNorm, RoPE and SiLU-times-up, one call each
 """
 
