@@ -81,6 +81,26 @@ def test_kernel_softmax_holds_at_extreme_scores(kernel):
     assert torch.isfinite(out).all() and (out - ref).abs().max().item() < 1e-4
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lens", [[3000], [1500, 2, 700]])
+@pytest.mark.parametrize("sharp", [False, True])
+def test_kernel_splits_long_contexts_into_parts(kernel, threads, lens, sharp):
+    """A long context is cut into parts along its blocks (few sequences, more tasks than threads)
+    and the parts' softmaxes merged: the same result as one pass, also when one token dominates
+    and the other parts' weights underflow."""
+    q, k, v, t, n = build(len(lens), 9, 3, 64, 16, lens, torch.float32, seed=len(lens))
+    if sharp:
+        q = q * 40
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = kernel(q, k, v, t, n, 64 ** -0.5, 0)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference(q, k, v, t, n)
+    assert torch.isfinite(out).all() and (out - ref).abs().max().item() < (1e-4 if sharp else 1e-5)
+
+
 def test_kernel_matches_reference_bf16(kernel):
     lens = [7, 100, 300]
     q, k, v, t, n = build(3, 9, 3, 64, 16, lens, torch.bfloat16)
@@ -170,11 +190,11 @@ def test_kernel_reads_a_bf16_cache_for_fp32_queries(kernel_module):
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
-@pytest.mark.parametrize("window", [1, 5, 16, 37])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 700])
 def test_kernel_attends_to_the_last_window_positions_only(kernel_module, fmt, window):
     """Blocks wholly behind the window are the null block in a sliding-window group: the kernel
-    never reads them, the torch path masks them."""
-    lens = [3, 20, 64, 100]
+    never reads them, the torch path masks them (a window of 700 is cut into parts)."""
+    lens = [3, 20, 64, 100, 1000]
     storage, tables, n = filled_storage(fmt, lens)
     null = storage.num_blocks - 1
     for b, L in enumerate(lens):  # give back what is wholly behind each window

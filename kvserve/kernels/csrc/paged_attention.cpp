@@ -8,10 +8,9 @@
 //   window   0, or W: each query attends to its context's last W positions only
 //   out      [B, H, D]
 //
-// Work is split over (sequence, kv head) pairs; each pair walks its blocks twice (K, then V),
-// turns each block's rows into fp32 (a pointer into the cache for fp32, or a small buffer the
-// block is dequantized into, in registers and L1) and serves all G query heads of its group.
-// Scores and accumulation are in fp32. Formats (each a Source below):
+// Each block's rows are turned into fp32 (a pointer into the cache for fp32, or a small buffer
+// the block is dequantized into, in registers and L1) and serve all G query heads of their K/V
+// head. Scores and accumulation are in fp32. Formats (each a Source below):
 //
 //   dense   fp32 / bf16 / fp16 rows as stored
 //   int8    q * s,  s per token and head                        (k_scale, v_scale [nb, BS, KVH] fp32)
@@ -21,9 +20,13 @@
 //           byte c holds channel c (low nibble) and c + D/2 (high); a block still filling
 //           (slot_of[block] >= 0) is read from its full-precision residual slot instead
 //
-// Two paths: a portable loop for any shape and any x86-64 (built again for AVX2, where the
-// compiler vectorizes its loops and the exponentials and bf16/fp16 rows take 8 lanes at a time),
-// and an AVX-512 one for head dims 16/32/64/128 with up to 8 query heads per K/V head. The build decides which exist
+// Two paths. The portable one, for any shape and any x86-64 (built again for AVX2, where scores
+// take eight rows at a time, the exponentials and bf16/fp16 rows 8 lanes, and the output stays in
+// registers while a block's rows are added), splits each context into parts along its blocks
+// (one task a part: batch 1 keeps every thread busy, and each task streams whole blocks, every
+// K/V head at once), keeps the softmax online within a part and merges the parts at the end.
+// The AVX-512 one, for head dims 16/32/64/128 with up to 8 query heads per K/V head, splits the
+// work over (sequence, K/V head) pairs that walk their blocks twice (K, then V). The build decides which exist
 // (kvserve/kernels builds this file once per instruction-set level and loads the one the CPU
 // runs); `isa()` names the build.
 #include <torch/extension.h>
@@ -263,6 +266,95 @@ inline void scaled_queries(const scalar_t* q, int64_t b, int64_t kh, int64_t H, 
     for (int64_t d = 0; d < D; ++d) qf[g * D + d] = static_cast<float>(q[(b * H + kh * G + g) * D + d]) * scale;
 }
 
+// sum of a[d] * b[d] over d < n. AVX2: eight lanes, two chains, one horizontal sum (the
+// compiler keeps a float reduction in order, so the plain loop would stay scalar).
+inline float dot(const float* __restrict__ a, const float* __restrict__ b, int64_t n) {
+  int64_t d = 0;
+  float sum = 0.f;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (n >= 16) {
+    __m256 s0 = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+    __m256 s1 = _mm256_mul_ps(_mm256_loadu_ps(a + 8), _mm256_loadu_ps(b + 8));
+    for (d = 16; d + 16 <= n; d += 16) {
+      s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), s0);
+      s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), s1);
+    }
+    const __m256 s = _mm256_add_ps(s0, s1);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    sum = _mm_cvtss_f32(h);
+  }
+#endif
+  for (; d < n; ++d) sum += a[d] * b[d];
+  return sum;
+}
+
+// s[i] = q . k_i for rows i0 <= i < n of r; returns the largest. AVX2: eight rows at a time, their
+// eight lane-wise sums reduced together (hadd and one cross-lane add for all eight).
+inline float block_scores(const float* __restrict__ q, const Rows& r, int64_t i0, int64_t n, int64_t D,
+                          float* __restrict__ s) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = i0;
+#if defined(__AVX2__) && defined(__FMA__)
+  if (D % 8 == 0) {
+    for (; i + 8 <= n; i += 8) {
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) {
+        const float* k = r.ptr + (i + j) * r.stride;
+        a[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int64_t d = 8; d < D; d += 8) a[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + d), a[j]);
+      }
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      // h0 = [sums of rows 0-3 over lanes 0-3 | the same over lanes 4-7], h1 likewise for rows 4-7
+      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+      _mm256_storeu_ps(s + i, sums);
+      for (int j = 0; j < 8; ++j) mx = std::max(mx, s[i + j]);
+    }
+  }
+#endif
+  for (; i < n; ++i) {
+    s[i] = dot(q, r.ptr + i * r.stride, D);
+    mx = std::max(mx, s[i]);
+  }
+  return mx;
+}
+
+// a += sum of p[i] * v_i over rows i0 <= i < n of r. AVX2: a held in registers eight lanes at a
+// time while every row is added to it.
+inline void block_accumulate(float* __restrict__ a, const float* __restrict__ p, const Rows& r, int64_t i0, int64_t n,
+                             int64_t D) {
+  int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+  for (; d + 32 <= D; d += 32) {
+    __m256 x0 = _mm256_loadu_ps(a + d), x1 = _mm256_loadu_ps(a + d + 8);
+    __m256 x2 = _mm256_loadu_ps(a + d + 16), x3 = _mm256_loadu_ps(a + d + 24);
+    for (int64_t i = i0; i < n; ++i) {
+      const float* v = r.ptr + i * r.stride + d;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      x0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), x0);
+      x1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), x1);
+      x2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), x2);
+      x3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), x3);
+    }
+    _mm256_storeu_ps(a + d, x0);
+    _mm256_storeu_ps(a + d + 8, x1);
+    _mm256_storeu_ps(a + d + 16, x2);
+    _mm256_storeu_ps(a + d + 24, x3);
+  }
+  for (; d + 8 <= D; d += 8) {
+    __m256 x = _mm256_loadu_ps(a + d);
+    for (int64_t i = i0; i < n; ++i) x = _mm256_fmadd_ps(_mm256_set1_ps(p[i]), _mm256_loadu_ps(r.ptr + i * r.stride + d), x);
+    _mm256_storeu_ps(a + d, x);
+  }
+#endif
+  for (int64_t i = i0; i < n; ++i) {
+    const float* __restrict__ v = r.ptr + i * r.stride;
+    for (int64_t e = d; e < D; ++e) a[e] += p[i] * v[e];
+  }
+}
+
 // s[t] = e^(s[t] - shift) for t < n; returns their sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   float sum = 0.f;
@@ -285,40 +377,85 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
+// How many parts each context is split into: enough (sequence, part) tasks to keep every thread
+// busy when the batch is small, none shorter than kMinPartTokens.
+constexpr int64_t kMinPartTokens = 64;
+
+inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
+  const int64_t want = (4 * at::get_num_threads() + B - 1) / B;  // about 4 tasks a thread
+  return std::max<int64_t>(1, std::min(want, (longest + kMinPartTokens - 1) / kMinPartTokens));
+}
+
+// One pass over the blocks of a part, K and V of a block together (every K/V head of the block:
+// the rows of a block are contiguous, so each task streams whole blocks), with the softmax kept
+// online: per query head a running max m, sum l of e^(s - m) and sum acc of e^(s - m) v, rescaled
+// by e^(m_old - m_new) when a block raises the max. A context is cut into parts along its blocks
+// (flash-decoding), each part's (m, l, acc) kept apart and merged at the end:
+// out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), M the largest m_p. Same fp32 arithmetic
+// as the two-pass softmax up to summation order.
 template <typename scalar_t, typename KSrc, typename VSrc>
 void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                      scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
                      float scale, int64_t window) {
   const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), buf(BS * D), scores, row_max(G), row_sum(G);
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], window));
+  const int64_t P = parts_per_sequence(B, longest);
+  // per (sequence, part, query head): running max, sum, and the unnormalized output [D]
+  std::vector<float> part_m(B * P * H), part_l(B * P * H), part_acc(B * P * H * D);
+  at::parallel_for(0, B * P, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(H * D), kbuf(BS * D), vbuf(BS * D), sc(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, first = window_begin(lens[b], window), L = lens[b] - first;
+      const int64_t b = idx / P, part = idx % P, first = window_begin(lens[b], window), len = lens[b];
       const int64_t* table = tables + b * max_blocks;
-      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
-      scores.assign(G * L, 0.f);
-      std::fill(row_max.begin(), row_max.end(), -std::numeric_limits<float>::infinity());
-      for_each_row(ks, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* k) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf.data() + g * D;
-          float sum = 0.f;
-          for (int64_t d = 0; d < D; ++d) sum += qg[d] * k[d];
-          scores[g * L + t] = sum;
-          row_max[g] = std::max(row_max[g], sum);
+      float* m = part_m.data() + idx * H;
+      float* l = part_l.data() + idx * H;
+      float* acc = part_acc.data() + idx * H * D;
+      std::fill(m, m + H, -std::numeric_limits<float>::infinity());
+      std::fill(l, l + H, 0.f);
+      std::fill(acc, acc + H * D, 0.f);
+      // this part's blocks: an equal share of the blocks holding positions [first, len)
+      const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
+      const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per, pb1 = std::min(blk0 + nblk, pb0 + per);
+      if (pb0 >= pb1) continue;
+      for (int64_t kh = 0; kh < KVH; ++kh) scaled_queries(q, b, kh, H, G, D, scale, qf.data() + kh * G * D);
+      for (int64_t blk = pb0; blk < pb1; ++blk) {
+        const int64_t t0 = blk * BS, i0 = std::max<int64_t>(0, first - t0), n = std::min(BS, len - t0);
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          const Rows kr = ks.rows(table[blk], kh, n, kbuf.data());
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t h = kh * G + g;
+            float* s = sc.data() + g * BS;
+            const float bmax = block_scores(qf.data() + h * D, kr, i0, n, D, s);
+            const float mn = std::max(m[h], bmax), c = std::exp(m[h] - mn);  // c = 0 on the first block
+            l[h] = l[h] * c + exp_shifted(s + i0, n - i0, mn);
+            m[h] = mn;
+            float* a = acc + h * D;
+            if (c != 1.f)
+              for (int64_t d = 0; d < D; ++d) a[d] *= c;
+          }
+          const Rows vr = vs.rows(table[blk], kh, n, vbuf.data());
+          for (int64_t g = 0; g < G; ++g) block_accumulate(acc + (kh * G + g) * D, sc.data() + g * BS, vr, i0, n, D);
         }
-      });
-      for (int64_t g = 0; g < G; ++g) row_sum[g] = exp_shifted(scores.data() + g * L, L, row_max[g]);
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
-        for (int64_t g = 0; g < G; ++g) {
-          const float p = scores[g * L + t];
-          float* a = acc.data() + g * D;
-          for (int64_t d = 0; d < D; ++d) a[d] += p * v[d];
-        }
-      });
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d)
-          out[(b * H + kh * G + g) * D + d] = static_cast<scalar_t>(acc[g * D + d] / row_sum[g]);
+      }
+    }
+  });
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float M = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t p = 0; p < P; ++p) M = std::max(M, part_m[(b * P + p) * H + h]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t at = (b * P + p) * H + h;
+        if (part_l[at] == 0.f) continue;  // a part with no positions
+        const float w = std::exp(part_m[at] - M);
+        sum += part_l[at] * w;
+        const float* a = part_acc.data() + at * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = static_cast<scalar_t>(o[d] / sum);
     }
   });
 }
