@@ -12,6 +12,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVStorage
+from kvserve.models.direct import DirectCall
 
 
 @dataclass
@@ -22,7 +23,7 @@ class ForwardContext:
     metadata: Sequence[AttentionMetadata]
 
 
-class Attention(nn.Module):
+class Attention(DirectCall, nn.Module):
     def __init__(self, layer_idx: int, scale: float, softcap: Optional[float] = None) -> None:
         super().__init__()
         self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap

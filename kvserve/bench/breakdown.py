@@ -29,8 +29,8 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     return {
         "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"), (FusedPart, "forward")],
         "attention": [(Attention, "forward")],  # the cache write and the attention over it
-        "norms": [(RMSNorm, "forward"), (GemmaRMSNorm, "forward")],
-        "rope": [(RotaryEmbedding, "__call__")],
+        "norms": [(RMSNorm, "forward"), (RMSNorm, "add_forward"), (GemmaRMSNorm, "forward")],
+        "rope": [(RotaryEmbedding, "__call__"), (RotaryEmbedding, "rotate_qkv")],
         "sampling": [(ModelRunner, "_sample")],
         "prepare": [(ModelRunner, "prepare_step"), (ModelRunner, "context")],
         "schedule": [(Scheduler, "schedule"), (Scheduler, "update")],

@@ -38,6 +38,15 @@ class RMSNorm(DirectCall, nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x): the residual stream's add and this norm, one call on
+        CPU (the kernel adds into `residual` in place and returns it; torch makes a new sum)."""
+        if (self.ops is not None and x.dim() == 2 and x.device.type == "cpu" and x.dtype == self.weight.dtype
+                and residual.dtype == x.dtype and residual.is_contiguous()):
+            return self.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self.forward(residual), residual
+
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2], with 'linear' or 'llama3' scaling from the config."""
@@ -94,6 +103,19 @@ class RotaryEmbedding:
             return self.ops.rotate_halves(x, cos, sin)  # type: ignore[no-any-return]
         return rotate_halves(x, cos, sin)
 
+    def rotate_qkv(self, qkv: torch.Tensor, positions: torch.Tensor, heads: int,
+                   kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D] and k [T, kv_heads, D] rotated, and v [T, kv_heads, D], from a fused
+        q|k|v product [T, (heads + 2 kv_heads) D]: one call on CPU."""
+        cos, sin = self._angles(positions)
+        if self.ops is not None and qkv.device.type == "cpu" and qkv.stride(-1) == 1 and qkv.dtype == cos.dtype:
+            q, k, v = self.ops.rope_qkv(qkv, cos, sin, heads, kv_heads)
+            return q, k, v
+        T, D = qkv.shape[0], qkv.shape[1] // (heads + 2 * kv_heads)
+        q, k, v = qkv.split_with_sizes([heads * D, kv_heads * D, kv_heads * D], dim=-1)
+        return (rotate_halves(q.view(T, heads, D), cos, sin), rotate_halves(k.view(T, kv_heads, D), cos, sin),
+                v.view(T, kv_heads, D))
+
     def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim/2] of these positions, looked up once for every layer of a
         forward pass (each layer rotates q and k by the same positions tensor)."""
@@ -119,10 +141,13 @@ class LlamaAttention(DirectCall, nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         fused = self._modules.get("fused_q_k_v")  # packed q, k and v: one product (packed.fuse)
-        q, k, v = fused.split(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-        q = rope(q.view(T, self.num_heads, self.head_dim), positions)
-        k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        if fused is not None and x.dim() == 2:  # rotated and split in one call
+            q, k, v = rope.rotate_qkv(fused.fused(x), positions, self.num_heads, self.num_kv_heads)
+        else:
+            q, k, v = fused.split(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+            q = rope(q.view(T, self.num_heads, self.head_dim), positions)
+            k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)
+            v = v.view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -140,6 +165,8 @@ class LlamaMLP(DirectCall, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self._modules.get("fused_gate_up")  # packed gate and up: one product (packed.fuse)
+        if fused is not None and self.ops is not None and x.dim() == 2 and x.device.type == "cpu":
+            return self.down_proj(self.ops.silu_mul_halves(fused.fused(x)))  # split inside the call
         gate, up = fused.split(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
         if self.ops is not None and gate.dim() == 2 and gate.device.type == "cpu" and gate.stride(-1) == 1:
             return self.down_proj(self.ops.silu_mul(gate, up))
@@ -154,10 +181,17 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the embeddings
+        and residual None for the first layer). Returns this layer's output and the stream: each
+        add is made by the norm that follows it (RMSNorm.add_forward), one call instead of two."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, positions, rope, ctx), residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -203,10 +237,10 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None, "call init_rope() after loading weights"
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, positions, self.rope, ctx, residual)
+        return self.model.norm.add_forward(x, residual)[0] if residual is not None else self.model.norm(x)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,6 +48,41 @@ def test_rotate_halves(ops, dtype, tol):
     assert torch.allclose(got.float(), want.float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_add_rms_norm_adds_in_place_then_normalizes(ops, dtype, tol, rows):
+    """residual += x rounds as torch's add (bit for bit), then the norm of the sum as rms_norm."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 1000, generator=g).to(dtype)[:, 100:676]  # a strided view
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    w = torch.randn(576, generator=g).to(dtype)
+    total = residual + x
+    got = ops.add_rms_norm(x, residual, w, 1e-5)
+    assert torch.equal(residual, total)  # updated in place
+    assert torch.equal(got, ops.rms_norm(total, w, 1e-5))
+    assert torch.allclose(got.float(), torch_rms_norm(total, w, 1e-5).float(), rtol=tol, atol=tol)
+    with pytest.raises(RuntimeError, match="residual"):
+        ops.add_rms_norm(x, residual[:, :100], w, 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_rope_qkv_rotates_q_and_k_and_hands_v_over(ops, dtype, rows):
+    """From a fused q|k|v product (9 query, 3 K/V heads of 64): q and k rotated exactly as
+    rotate_halves rotates them, v a view of the product's last columns."""
+    g = torch.Generator().manual_seed(rows)
+    qkv = torch.randn(rows, 15 * 64, generator=g).to(dtype)
+    angles = torch.rand(rows, 32, generator=g) * 6
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    q, k, v = ops.rope_qkv(qkv, cos, sin, 9, 3)
+    assert q.shape == (rows, 9, 64) and k.shape == v.shape == (rows, 3, 64)
+    assert torch.equal(q, ops.rotate_halves(qkv[:, :576].view(rows, 9, 64), cos, sin))
+    assert torch.equal(k, ops.rotate_halves(qkv[:, 576:768].view(rows, 3, 64), cos, sin))
+    assert torch.equal(v, qkv[:, 768:].view(rows, 3, 64)) and v.data_ptr() == qkv[:, 768:].data_ptr()
+    with pytest.raises(RuntimeError, match="qkv"):
+        ops.rope_qkv(qkv[:, :-64], cos, sin, 9, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("width", [1536, 1000, 7])
 def test_silu_mul(ops, dtype, width):
@@ -67,6 +102,14 @@ def test_silu_mul(ops, dtype, width):
         ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
         assert ((got.float() - want.float()).abs() <= ulp * want.float().abs() + 1e-6).all()
         assert (got != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_halves_is_silu_mul_of_the_two_halves(ops, dtype):
+    gu = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    assert torch.equal(ops.silu_mul_halves(gu), ops.silu_mul(gu[:, :1536], gu[:, 1536:]))
+    with pytest.raises(RuntimeError, match="gate"):
+        ops.silu_mul_halves(gu[:, :7])
 
 
 def test_store_kv(ops):

@@ -3,9 +3,13 @@
 // PyTorch about 47 us on a 576-wide row, mostly per-op overhead.
 //
 //   rms_norm(x [T, H], w [H], eps)        w * dtype(x * rsqrt(mean(x^2) + eps))   (sum in fp64)
+//   add_rms_norm(x, r [T, H], w, eps)     r += x in place, then rms_norm(r)
+//   rope_qkv(qkv [T, (H + 2 KVH) D], cos, sin, H, KVH)
+//                                         q, k rotated (as rotate_halves), v a view
 //   rotate_halves(x [T, heads, D], cos, sin [T, D/2])
 //                                         [x1 cos - x2 sin, x2 cos + x1 sin]   (halves of D)
 //   silu_mul(g [T, I], u [T, I])          silu(g) * u
+//   silu_mul_halves(gu [T, 2 I])          silu_mul of its two halves
 //   store_kv(kc, vc [slots..., KVH, D], slots [T], k, v [T, KVH, D])
 //                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write)
 //
@@ -35,6 +39,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -44,10 +49,26 @@ void check_rows(const torch::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 2 && x.stride(-1) == 1, name, ": a CPU tensor whose last dimension is contiguous");
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+// One row of rms_norm: o = w * dtype(row * rsqrt(mean(row^2) + eps)).
+template <typename scalar_t>
+inline void norm_row(const scalar_t* row, const scalar_t* wp, scalar_t* o, int64_t H, float eps) {
+  double ss = 0.;  // in fp64: the same sum whatever order the compiler adds in
+  for (int64_t i = 0; i < H; ++i) {
+    const double v = static_cast<double>(row[i]);
+    ss += v * v;
+  }
+  const float r = 1.f / std::sqrt(static_cast<float>(ss / static_cast<double>(H)) + eps);
+  for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * static_cast<scalar_t>(static_cast<float>(row[i]) * r);
+}
+
+void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() &&
               w.is_contiguous(), "x [T, H], w [H] of x's dtype");
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+  check_norm(x, w);
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
   auto out = torch::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
@@ -55,51 +76,95 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
     const scalar_t* wp = w.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ld, wp, op + t * H, H, static_cast<float>(eps));
+    });
+  });
+  return out;
+}
+
+// residual += x (rounded to the dtype, as torch's add rounds), then rms_norm(residual): the
+// residual stream's add and the next norm in one call. residual is updated in place.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+  check_norm(x, w);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual: contiguous, of x's shape and dtype");
+  const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
+  auto out = torch::empty({T, H}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = w.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const scalar_t* row = xp + t * ld;
-        double ss = 0.;  // in fp64: the same sum whatever order the compiler adds in
-        for (int64_t i = 0; i < H; ++i) {
-          const double v = static_cast<double>(row[i]);
-          ss += v * v;
-        }
-        const float r = 1.f / std::sqrt(static_cast<float>(ss / static_cast<double>(H)) + static_cast<float>(eps));
-        for (int64_t i = 0; i < H; ++i)
-          op[t * H + i] = wp[i] * static_cast<scalar_t>(static_cast<float>(row[i]) * r);
+        scalar_t* __restrict__ r = rp + t * H;
+        const scalar_t* __restrict__ a = xp + t * ld;
+        for (int64_t i = 0; i < H; ++i) r[i] = r[i] + a[i];
+        norm_row(r, wp, op + t * H, H, static_cast<float>(eps));
       }
     });
   });
   return out;
 }
 
+void check_angles(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t T, int64_t D) {
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 &&
+              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
+              sin.scalar_type() == x.scalar_type(), "cos, sin [T, D/2] contiguous, of x's dtype");
+}
+
+// out [T, heads, D] (contiguous) = x [T, heads, D] (rows at strides st, sh) rotated.
+template <typename scalar_t>
+void rotate_into(const scalar_t* xp, int64_t st, int64_t sh, const scalar_t* cp, const scalar_t* sp, scalar_t* op,
+                 int64_t T, int64_t heads, int64_t D) {
+  const int64_t half = D / 2;
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t)
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* in = xp + t * st + h * sh;
+        scalar_t* o = op + (t * heads + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const scalar_t c = cp[t * half + i], s = sp[t * half + i], x1 = in[i], x2 = in[half + i];
+          const scalar_t a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
+          o[i] = a - b;
+          o[half + i] = e + f;
+        }
+      }
+  });
+}
+
 torch::Tensor rotate_halves(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x [T, heads, D] with D even");
-  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2), half = D / 2;
-  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == half &&
-              cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
-              sin.scalar_type() == x.scalar_type(), "cos, sin [T, D/2] contiguous, of x's dtype");
+  const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
+  check_angles(x, cos, sin, T, D);
   auto out = torch::empty({T, heads, D}, x.options());
-  const int64_t st = x.stride(0), sh = x.stride(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotate_halves", [&] {
-    const scalar_t* xp = x.data_ptr<scalar_t>();
-    const scalar_t* cp = cos.data_ptr<scalar_t>();
-    const scalar_t* sp = sin.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t)
-        for (int64_t h = 0; h < heads; ++h) {
-          const scalar_t* in = xp + t * st + h * sh;
-          scalar_t* o = op + (t * heads + h) * D;
-          for (int64_t i = 0; i < half; ++i) {
-            const scalar_t c = cp[t * half + i], s = sp[t * half + i], x1 = in[i], x2 = in[half + i];
-            const scalar_t a = x1 * c, b = x2 * s, e = x2 * c, f = x1 * s;
-            o[i] = a - b;
-            o[half + i] = e + f;
-          }
-        }
-    });
+    rotate_into(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
+                out.data_ptr<scalar_t>(), T, heads, D);
   });
   return out;
+}
+
+// q, k rotated and v, from a fused q|k|v product [T, (H + 2 KVH) D]: q [T, H, D] and k [T, KVH, D]
+// new tensors, v [T, KVH, D] a view of the product's last columns. One call for what took a
+// split, three views and two rotate_halves.
+std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH) {
+  check_rows(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && H > 0 && KVH > 0 && qkv.size(1) % (H + 2 * KVH) == 0 &&
+              (qkv.size(1) / (H + 2 * KVH)) % 2 == 0, "qkv [T, (H + 2 KVH) D] with D even");
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH), ld = qkv.stride(0);
+  check_angles(qkv, cos, sin, T, D);
+  auto q = torch::empty({T, H, D}, qkv.options());
+  auto k = torch::empty({T, KVH, D}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qkv", [&] {
+    const scalar_t* xp = qkv.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    rotate_into(xp, ld, D, cp, sp, q.data_ptr<scalar_t>(), T, H, D);
+    rotate_into(xp + H * D, ld, D, cp, sp, k.data_ptr<scalar_t>(), T, KVH, D);
+  });
+  return {q, k, qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D})};
 }
 
 #if defined(__AVX512F__)
@@ -198,6 +263,15 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
   return out;
 }
 
+// silu(gate) * up from a fused gate|up product [T, 2 I] (gate the first I columns): one call
+// for what took a split and silu_mul.
+torch::Tensor silu_mul_halves(torch::Tensor gu) {
+  check_rows(gu, "gate|up");
+  TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate|up [T, 2 I]");
+  const int64_t I = gu.size(1) / 2;
+  return silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+}
+
 void store_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3, "contiguous caches alike");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "int64 slots [T]");
@@ -234,7 +308,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   }, "the instruction-set level this build was compiled for");
   m.def("rms_norm", &rms_norm, "w * x / rms(x) over the last dimension (CPU)");
+  m.def("add_rms_norm", &add_rms_norm, "residual += x, then w * residual / rms(residual), in one call (CPU)");
   m.def("rotate_halves", &rotate_halves, "RoPE with the halves of head_dim rotating together (CPU)");
+  m.def("rope_qkv", &rope_qkv, "q, k rotated and v from a fused q|k|v product (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
+  m.def("silu_mul_halves", &silu_mul_halves, "silu(gate) * up from a fused gate|up product (CPU)");
   m.def("store_kv", &store_kv, "k, v rows into their cache slots (CPU)");
 }
