@@ -25,10 +25,14 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     from kvserve.models.linear import Linear
     from kvserve.models.llama import RMSNorm, RotaryEmbedding
     from kvserve.models.packed import FusedPart, PackedLinear, PackedLinearQ8
+    from kvserve.runner.decode_plan import DecodePlan
     from kvserve.runner.model_runner import ModelRunner
     return {
         "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"), (FusedPart, "forward")],
         "attention": [(Attention, "forward")],  # the cache write and the attention over it
+        # a decode step's layers run by the flat loop: attention, norms, RoPE and its own Python
+        # (the products inside it count as matmul)
+        "decode plan": [(DecodePlan, "__call__")],
         "norms": [(RMSNorm, "forward"), (RMSNorm, "add_forward"), (GemmaRMSNorm, "forward")],
         "rope": [(RotaryEmbedding, "__call__"), (RotaryEmbedding, "rotate_qkv")],
         "sampling": [(ModelRunner, "_sample")],

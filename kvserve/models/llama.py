@@ -9,7 +9,7 @@ Parameter names follow Hugging Face, so every loader is a rename table.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,8 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: Optional[RotaryEmbedding] = None
+        # the runner's flat loop for decode steps (kvserve.runner.decode_plan; None: the modules)
+        self.decode_plan: Optional[Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -237,6 +239,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None, "call init_rope() after loading weights"
+        plan = self.decode_plan
+        if plan is not None and plan.covers(input_ids.shape[0], ctx):  # type: ignore[attr-defined]
+            return plan(input_ids, positions, ctx)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, positions, self.rope, ctx, residual)

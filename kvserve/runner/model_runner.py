@@ -30,6 +30,7 @@ from kvserve.kv.storage import KVStorage
 from kvserve.models import linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runner.block_table import BlockTables
+from kvserve.runner.decode_plan import DecodePlan
 from kvserve.runner.sampler import Sampler
 
 
@@ -100,6 +101,8 @@ class ModelRunner:
             linear.use_onednn(model)  # every product of a weight no other module shares
         if self.device.type == "cpu" and dtype == torch.bfloat16:
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
+        if isinstance(model, LlamaForCausalLM):  # decode steps as one flat loop where it applies
+            model.decode_plan = DecodePlan.build(model, self.backend)
         # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
