@@ -6,8 +6,19 @@ aside where it does not apply."""
 import pytest
 import torch
 
+from kvserve import kernels
+from kvserve.runner import decode_plan
 from kvserve.runner.decode_plan import DecodePlan
 from tests.conftest import greedy, make_engine, run_collecting_logits
+
+
+def plan_kernels_built() -> bool:
+    ops = kernels.load("layer_ops")
+    return ops is not None and ops.isa() != "portable" and kernels.load("paged_attention") is not None
+
+
+needs_plan = pytest.mark.skipif(not plan_kernels_built(), reason="the decode plan runs on the compiled layer "
+                                "kernels' vector builds (KVSERVE_KERNELS holds them off or to the portable path)")
 
 
 def with_and_without(loaded, prompts, max_tokens=12, **options):
@@ -45,6 +56,7 @@ def assert_same(runs):
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
 
 
+@needs_plan
 @pytest.mark.parametrize("options", [
     dict(weight_dtype="int8"),
     dict(weight_dtype="int4", packed_activations="int8"),
@@ -61,12 +73,14 @@ def test_plan_gives_the_modules_results(stories, options):
     assert_same(runs)
 
 
+@needs_plan
 def test_plan_on_smollm2_with_int8_activations(smollm2):
     ids = smollm2.tokenizer.encode("The cache keeps the keys and values of every token it has seen.")
     runs, _ = with_and_without(smollm2, [ids[:n] for n in (4, 11, 7)], max_tokens=8, packed_activations="int8")
     assert_same(runs)
 
 
+@needs_plan
 def test_plan_stands_aside_where_it_does_not_apply(stories):
     assert make_engine(stories, weight_dtype="float32").model.decode_plan is None  # nothing fused
     assert make_engine(stories, weight_dtype="int8", attention_backend="torch").model.decode_plan is None
@@ -86,3 +100,12 @@ def test_plan_stands_aside_where_it_does_not_apply(stories):
     finally:
         DecodePlan.covers = original  # type: ignore[method-assign]
     assert calls and not any(calls)
+
+
+def test_no_plan_without_the_layer_kernels(stories, monkeypatch):
+    """Kernels off (or not built): the runner keeps the modules, and the engine decodes through them."""
+    monkeypatch.setattr(decode_plan.kernels, "load", lambda name, isa=None: None)
+    engine = make_engine(stories, weight_dtype="int8")
+    assert engine.model.decode_plan is None
+    out, _ = run_collecting_logits(engine, [stories.tokenizer.encode(PROMPT)[:5]], greedy(4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
