@@ -9,7 +9,7 @@ Parameter names follow Hugging Face, so every loader is a rename table.
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.direct import DirectCall
 from kvserve.models.linear import Linear
+
+if TYPE_CHECKING:
+    from kvserve.runner.decode_plan import DecodePlan
 
 
 class RMSNorm(DirectCall, nn.Module):
@@ -141,13 +144,12 @@ class LlamaAttention(DirectCall, nn.Module):
                 ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
         fused = self._modules.get("fused_q_k_v")  # packed q, k and v: one product (packed.fuse)
-        if fused is not None and x.dim() == 2:  # rotated and split in one call
+        if fused is not None:  # rotated and split in one call
             q, k, v = rope.rotate_qkv(fused.fused(x), positions, self.num_heads, self.num_kv_heads)
         else:
-            q, k, v = fused.split(x) if fused is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
-            q = rope(q.view(T, self.num_heads, self.head_dim), positions)
-            k = rope(k.view(T, self.num_kv_heads, self.head_dim), positions)
-            v = v.view(T, self.num_kv_heads, self.head_dim)
+            q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
+            k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
+            v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -212,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: Optional[RotaryEmbedding] = None
         # the runner's flat loop for decode steps (kvserve.runner.decode_plan; None: the modules)
-        self.decode_plan: Optional[Callable[[torch.Tensor, torch.Tensor, ForwardContext], torch.Tensor]] = None
+        self.decode_plan: Optional[DecodePlan] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -240,7 +242,7 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None, "call init_rope() after loading weights"
         plan = self.decode_plan
-        if plan is not None and plan.covers(input_ids.shape[0], ctx):  # type: ignore[attr-defined]
+        if plan is not None and plan.covers(input_ids.shape[0], ctx):
             return plan(input_ids, positions, ctx)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:

@@ -36,7 +36,7 @@ class _Layer(NamedTuple):
     qkv: nn.Module  # the fused q|k|v product
     heads: int
     kv_heads: int
-    index: int  # the attention layer's index in the cache
+    cache_layer: int  # the attention layer's index in the cache
     group: int  # its cache group
     scale: float
     o_proj: nn.Module
@@ -63,7 +63,7 @@ class DecodePlan:
         """The plan for this model and backend, or None where the modules must run (the reason
         is one of the conditions the module docstring lists)."""
         ops = kernels.load("layer_ops")
-        if (ops is None or ops.isa() == "portable" or type(model).forward is not LlamaForCausalLM.forward
+        if (ops is None or type(model).forward is not LlamaForCausalLM.forward
                 or not isinstance(model, LlamaForCausalLM) or type(backend) is not CpuKernelAttentionBackend
                 or model.device.type != "cpu"):
             return None
@@ -105,8 +105,8 @@ class DecodePlan:
                 h = ops.add_rms_norm(x, residual, L.norm1, L.eps1)
             q, k, v = ops.rope_qkv(L.qkv.forward(h), cos, sin, L.heads, L.kv_heads)
             meta = ctx.metadata[L.group]
-            storage.write(L.index, k, v, meta.kv_write_plan)
-            entry, operands = storage.decode_operands(L.index)
+            storage.write(L.cache_layer, k, v, meta.kv_write_plan)
+            entry, operands = storage.decode_operands(L.cache_layer)
             out = getattr(attend, entry)(q, *operands, meta.decode_block_tables, meta.decode_context_lens, L.scale,
                                          meta.sliding_window or 0)
             h = ops.add_rms_norm(L.o_proj.forward(out.view(T, -1)), residual, L.norm2, L.eps2)
