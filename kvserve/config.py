@@ -57,7 +57,7 @@ def env_kernel_mode() -> str:
 
 
 def env_cxx() -> str:
-    """The C++ compiler torch's extension builder uses (CXX, else c++)."""
+    """The C++ compiler the install builds the kernels with (CXX, else c++)."""
     return os.environ.get("CXX", "c++")
 
 

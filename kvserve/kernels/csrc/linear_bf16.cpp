@@ -12,7 +12,8 @@
 // AVX512-BF16 one, and a portable loop for any x86-64 that widens bf16 to fp32 by a shift and
 // leaves vectorization to the compiler. The build decides which exists (kvserve/kernels builds
 // this file once per instruction-set level); `isa()` names the build.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
@@ -117,7 +118,7 @@ std::string isa() {
 #endif
 }
 
-torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
+at::Tensor linear_bf16(at::Tensor x, at::Tensor w, c10::optional<at::Tensor> bias) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "linear_bf16 runs on CPU tensors");
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16, "bf16 inputs");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x [M, K] and W [N, K]");
@@ -126,13 +127,13 @@ torch::Tensor linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch:
   auto wc = w.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   const c10::BFloat16* b = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->contiguous();
     TORCH_CHECK(bc.scalar_type() == at::kBFloat16 && bc.numel() == N, "bias [N] bf16");
     b = bc.data_ptr<c10::BFloat16>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   auto xp = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
   auto wp = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
   auto yp = y.data_ptr<c10::BFloat16>();

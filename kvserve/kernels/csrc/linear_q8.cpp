@@ -25,10 +25,11 @@
 // are the same for every lane: a broadcast.
 //
 // Paths: AVX-512 VNNI (a vector is a panel), AVX2 (half a panel; the byte dot product takes two
-// instructions), and a portable loop over the same layout (kvserve/kernels builds this file once
+// instructions), and a portable loop over the same layout (setup.py builds this file once
 // per level; `isa()` names the build). Runs of W rows (32 with AVX-512, 8 with AVX2) are split
 // over threads; each sweeps every row of x, four at a time, so a weight loaded serves four rows.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -357,7 +358,7 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   });
 }
 
-void check(const torch::Tensor& w, int64_t fmt, int64_t K) {
+void check(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(fmt == kQ4_0 || fmt == kQ4_1 || fmt == kQ8_0, "format must be Q4_0 (2), Q4_1 (3) or Q8_0 (8)");
   TORCH_CHECK(K > 0 && K % kBlock == 0, "K must be a positive multiple of 32");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -385,10 +386,10 @@ struct PanelOffsets {
 };
 
 // GGUF rows [N, row bytes] -> panels [panels(N) * 16, row bytes] (zero rows padding the last).
-torch::Tensor pack_panels(torch::Tensor w, int64_t fmt, int64_t K) {
+at::Tensor pack_panels(at::Tensor w, int64_t fmt, int64_t K) {
   check(w, fmt, K);
   const int64_t N = w.size(0), rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt), np = panels(N);
-  auto out = torch::zeros({np * kPanel, rb}, w.options());
+  auto out = at::zeros({np * kPanel, rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const PanelOffsets at{nb, quant_bytes(fmt)};
@@ -409,15 +410,15 @@ torch::Tensor pack_panels(torch::Tensor w, int64_t fmt, int64_t K) {
 }
 
 // Panels of N rows -> GGUF rows: all N, or those `index` names (an embedding's lookup).
-torch::Tensor unpack_panels(torch::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<torch::Tensor> index) {
+at::Tensor unpack_panels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<at::Tensor> index) {
   check(w, fmt, K);
   TORCH_CHECK(N >= 0 && w.size(0) == panels(N) * kPanel, "panels hold ", w.size(0), " rows, not panels of ", N);
-  torch::Tensor rows = index.has_value() && index->defined() ? index->to(at::kLong).contiguous().view(-1)
-                                                              : torch::arange(N, torch::kLong);
+  at::Tensor rows = index.has_value() && index->defined() ? index->to(at::kLong).contiguous().view(-1)
+                                                              : at::arange(N, at::kLong);
   const int64_t* ids = rows.data_ptr<int64_t>();
   const int64_t R = rows.numel(), rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt);
   for (int64_t r = 0; r < R; ++r) TORCH_CHECK(ids[r] >= 0 && ids[r] < N, "row ", ids[r], " is not in 0..", N - 1);
-  auto out = torch::empty({R, rb}, w.options());
+  auto out = at::empty({R, rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   const PanelOffsets at{nb, quant_bytes(fmt)};
@@ -437,8 +438,8 @@ torch::Tensor unpack_panels(torch::Tensor w, int64_t fmt, int64_t K, int64_t N, 
   return out;
 }
 
-torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, int64_t N,
-                        c10::optional<torch::Tensor> bias) {
+at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                     c10::optional<at::Tensor> bias) {
   check(w, fmt, K);
   TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
@@ -446,13 +447,13 @@ torch::Tensor linear_q8(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K
   auto xc = x.contiguous();
   const int64_t M = x.size(0);
   const float* b = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bc.numel() == N, "bias [N]");
     b = bc.data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const QuantizedX q = quantize_x(xc.data_ptr<float>(), M, K);
   const Out out{y.data_ptr<float>(), b, N};

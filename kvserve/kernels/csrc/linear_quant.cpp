@@ -14,9 +14,10 @@
 // rows, so up to four rows read each weight once.
 //
 // Paths: AVX-512 intrinsics (16 weights a register); AVX2 intrinsics (8); a portable loop the
-// compiler vectorizes for baseline x86-64. kvserve/kernels builds this file once per level and
+// compiler vectorizes for baseline x86-64. setup.py builds this file once per level and
 // picks the best the CPU runs; `isa()` names the build.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -219,7 +220,7 @@ void dequantize_fmt(const uint8_t* w, out_t* out, int64_t N, int64_t K) {
   });
 }
 
-void check(const torch::Tensor& w, int64_t fmt, int64_t K) {
+void check(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(fmt == kQ8_0 || fmt == kQ4_0 || fmt == kQ4_1, "format must be Q8_0 (8), Q4_0 (2) or Q4_1 (3)");
   TORCH_CHECK(K > 0 && K % kBlock == 0, "K must be a positive multiple of 32");
   TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(),
@@ -237,20 +238,20 @@ std::string isa() {
 #endif
 }
 
-torch::Tensor linear_quant(torch::Tensor x, torch::Tensor w, int64_t fmt, int64_t K, c10::optional<torch::Tensor> bias) {
+at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
   check(w, fmt, K);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
               "x: fp32 [M, K] on CPU");
   auto xc = x.contiguous();
   const int64_t M = x.size(0), N = w.size(0);
   const float* b = nullptr;
-  torch::Tensor bc;
+  at::Tensor bc;
   if (bias.has_value() && bias->defined()) {
     bc = bias->to(at::kFloat).contiguous();
     TORCH_CHECK(bc.numel() == N, "bias [N]");
     b = bc.data_ptr<float>();
   }
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -268,11 +269,11 @@ void dequantize_into(const uint8_t* wp, int64_t fmt, out_t* op, int64_t N, int64
   else dequantize_fmt<kQ4_1>(wp, op, N, K);
 }
 
-torch::Tensor dequantize(torch::Tensor w, int64_t fmt, int64_t K, const std::string& dtype) {
+at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K, const std::string& dtype) {
   check(w, fmt, K);
   TORCH_CHECK(dtype == "float32" || dtype == "bfloat16" || dtype == "float16", "dtype: float32, bfloat16 or float16");
   const at::ScalarType st = dtype == "float32" ? at::kFloat : dtype == "bfloat16" ? at::kBFloat16 : at::kHalf;
-  auto out = torch::empty({w.size(0), K}, torch::dtype(st));
+  auto out = at::empty({w.size(0), K}, at::dtype(st));
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (st == at::kFloat) dequantize_into(wp, fmt, out.data_ptr<float>(), w.size(0), K);
   else if (st == at::kBFloat16) dequantize_into(wp, fmt, out.data_ptr<at::BFloat16>(), w.size(0), K);

@@ -27,9 +27,10 @@
 // K/V head at once), keeps the softmax online within a part and merges the parts at the end.
 // The AVX-512 one, for head dims 16/32/64/128 with up to 8 query heads per K/V head, splits the
 // work over (sequence, K/V head) pairs that walk their blocks twice (K, then V). The build decides which exist
-// (kvserve/kernels builds this file once per instruction-set level and loads the one the CPU
+// (setup.py builds this file once per instruction-set level and loads the one the CPU
 // runs); `isa()` names the build.
-#include <torch/extension.h>
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include "vec_math.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -591,25 +592,25 @@ void decode(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* ta
 
 // ---- entry points: one per format; they check shapes and dispatch on the query dtype ----
 struct Call {
-  torch::Tensor q, tables, lens, out;
+  at::Tensor q, tables, lens, out;
   int64_t B, H, D, BS, KVH, window;
 };
 
-Call prepare(const torch::Tensor& q, const torch::Tensor& cache, const torch::Tensor& tables,
-             const torch::Tensor& lens, int64_t head_dim, int64_t window) {
+Call prepare(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
+             const at::Tensor& lens, int64_t head_dim, int64_t window) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4, "q [B, H, D] and a cache [num_blocks, BS, KVH, ...]");
   TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && lens.scalar_type() == torch::kLong, "int64 tables and lengths");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lengths");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), torch::empty_like(q), q.size(0), q.size(1),
+  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), at::empty_like(q), q.size(0), q.size(1),
          q.size(2), cache.size(1), cache.size(2), window};
   TORCH_CHECK(c.D == head_dim && c.H % c.KVH == 0 && c.D <= 256, "shape mismatch");
   return c;
 }
 
 template <typename KSrc, typename VSrc>
-torch::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
+at::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, c.q.scalar_type(), "paged_decode", [&] {
     decode(c.q.data_ptr<scalar_t>(), ks, vs, c.tables.data_ptr<int64_t>(), c.lens.data_ptr<int64_t>(),
            c.out.data_ptr<scalar_t>(), c.B, c.H, c.KVH, c.D, c.BS, c.tables.size(1), static_cast<float>(scale),
@@ -618,58 +619,58 @@ torch::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
   return c.out;
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor tables,
-                           torch::Tensor lens, double scale, int64_t window) {
+at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
+                        at::Tensor lens, double scale, int64_t window) {
   Call c = prepare(q, k, tables, lens, k.size(3), window);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && v.is_contiguous(), "one dtype for K and V");
   const Shape s{c.BS, c.KVH, c.D};
-  torch::Tensor out;
+  at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, k.scalar_type(), "dense", [&] {
     out = run(c, Dense<scalar_t>{k.data_ptr<scalar_t>(), s}, Dense<scalar_t>{v.data_ptr<scalar_t>(), s}, scale);
   });
   return out;
 }
 
-torch::Tensor paged_decode_int8(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor v,
-                                torch::Tensor v_scale, torch::Tensor tables, torch::Tensor lens, double scale,
-                                int64_t window) {
+at::Tensor paged_decode_int8(at::Tensor q, at::Tensor k, at::Tensor k_scale, at::Tensor v,
+                             at::Tensor v_scale, at::Tensor tables, at::Tensor lens, double scale,
+                             int64_t window) {
   Call c = prepare(q, k, tables, lens, k.size(3), window);
-  TORCH_CHECK(k.scalar_type() == torch::kInt8 && v.scalar_type() == torch::kInt8 && k_scale.scalar_type() == torch::kFloat
-              && v_scale.scalar_type() == torch::kFloat && v.is_contiguous() && k_scale.is_contiguous()
+  TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar && k_scale.scalar_type() == at::kFloat
+              && v_scale.scalar_type() == at::kFloat && v.is_contiguous() && k_scale.is_contiguous()
               && v_scale.is_contiguous(), "int8 values and fp32 scales");
   const Shape s{c.BS, c.KVH, c.D};
   return run(c, Int8{k.data_ptr<int8_t>(), k_scale.data_ptr<float>(), s},
              Int8{v.data_ptr<int8_t>(), v_scale.data_ptr<float>(), s}, scale);
 }
 
-torch::Tensor paged_decode_fp8(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor table,
-                               torch::Tensor k_scales, torch::Tensor v_scales, bool e4m3, torch::Tensor tables,
-                               torch::Tensor lens, double scale, int64_t window) {
+at::Tensor paged_decode_fp8(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor table,
+                            at::Tensor k_scales, at::Tensor v_scales, bool e4m3, at::Tensor tables,
+                            at::Tensor lens, double scale, int64_t window) {
   Call c = prepare(q, k, tables, lens, k.size(3), window);
-  TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "fp8 codes");
-  TORCH_CHECK(table.numel() == 256 && table.scalar_type() == torch::kFloat && k_scales.numel() == c.KVH
-              && v_scales.numel() == c.KVH && k_scales.scalar_type() == torch::kFloat
-              && v_scales.scalar_type() == torch::kFloat, "a 256-entry fp32 table and one fp32 scale per KV head");
+  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte && v.is_contiguous(), "fp8 codes");
+  TORCH_CHECK(table.numel() == 256 && table.scalar_type() == at::kFloat && k_scales.numel() == c.KVH
+              && v_scales.numel() == c.KVH && k_scales.scalar_type() == at::kFloat
+              && v_scales.scalar_type() == at::kFloat, "a 256-entry fp32 table and one fp32 scale per KV head");
   auto tb = table.contiguous(), ksc = k_scales.contiguous(), vsc = v_scales.contiguous();
   const Shape s{c.BS, c.KVH, c.D};
   return run(c, Fp8{k.data_ptr<uint8_t>(), tb.data_ptr<float>(), ksc.data_ptr<float>(), e4m3, s},
              Fp8{v.data_ptr<uint8_t>(), tb.data_ptr<float>(), vsc.data_ptr<float>(), e4m3, s}, scale);
 }
 
-torch::Tensor paged_decode_int4(torch::Tensor q, torch::Tensor k, torch::Tensor k_scale, torch::Tensor k_zero,
-                                torch::Tensor v, torch::Tensor v_scale, torch::Tensor v_zero, torch::Tensor slot_of,
-                                torch::Tensor res_k, torch::Tensor res_v, torch::Tensor tables, torch::Tensor lens,
-                                double scale, int64_t window) {
+at::Tensor paged_decode_int4(at::Tensor q, at::Tensor k, at::Tensor k_scale, at::Tensor k_zero,
+                             at::Tensor v, at::Tensor v_scale, at::Tensor v_zero, at::Tensor slot_of,
+                             at::Tensor res_k, at::Tensor res_v, at::Tensor tables, at::Tensor lens,
+                             double scale, int64_t window) {
   Call c = prepare(q, k, tables, lens, 2 * k.size(3), window);
   for (const auto& t : {k_scale, k_zero, v_scale, v_zero})
-    TORCH_CHECK(t.scalar_type() == torch::kHalf && t.is_contiguous(), "fp16 int4 scales and zeros");
-  TORCH_CHECK(k.scalar_type() == torch::kByte && v.scalar_type() == torch::kByte && v.is_contiguous(), "packed int4");
-  TORCH_CHECK(slot_of.scalar_type() == torch::kLong && slot_of.numel() == k.size(0), "slot_of [num_blocks] int64");
+    TORCH_CHECK(t.scalar_type() == at::kHalf && t.is_contiguous(), "fp16 int4 scales and zeros");
+  TORCH_CHECK(k.scalar_type() == at::kByte && v.scalar_type() == at::kByte && v.is_contiguous(), "packed int4");
+  TORCH_CHECK(slot_of.scalar_type() == at::kLong && slot_of.numel() == k.size(0), "slot_of [num_blocks] int64");
   TORCH_CHECK(res_k.scalar_type() == res_v.scalar_type() && res_k.is_contiguous() && res_v.is_contiguous()
               && res_k.size(1) == c.BS && res_k.size(3) == c.D, "residual slots [slots, BS, KVH, D]");
   auto so = slot_of.contiguous();
   const Shape s{c.BS, c.KVH, c.D};
-  torch::Tensor out;
+  at::Tensor out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::BFloat16, at::ScalarType::Half, res_k.scalar_type(), "int4", [&] {
     using K = Int4<scalar_t, true>;
     using V = Int4<scalar_t, false>;
