@@ -101,9 +101,9 @@ onednn_bf16 = pytest.mark.skipif(not (linear.onednn_available() and linear.onedn
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=onednn_bf16), torch.float32])
 def test_reordered_weight_gives_the_stock_product(rows, bias, dtype):
-    """use_onednn changes where the weight lives, not the arithmetic. bf16: the products equal
-    the stock F.linear bit for bit (the same oneDNN GEMM, which reorders the plain weight at each
-    call). fp32: the stock product is MKL's, summed in another order: within float rounding."""
+    """use_onednn changes where the weight lives, not the arithmetic: the product is within
+    rounding of the exact one (fp64), whatever GEMM oneDNN picks on this CPU. bf16 rounds the
+    fp32 sum once and the bias add once more (2 x 2^-8 relative); fp32 sums in float."""
     g = torch.Generator().manual_seed(rows)
     layer = linear.Linear(100, 77, bias=bias).to(dtype)
     with torch.no_grad():
@@ -112,13 +112,11 @@ def test_reordered_weight_gives_the_stock_product(rows, bias, dtype):
     assert linear.use_onednn(layer) == 1
     assert layer.weight.numel() == 0  # the reordered copy replaces the plain one
     x = torch.randn(rows, 100, generator=g).to(dtype)
-    want = F.linear(x, w, b)
     got = layer(x)
-    if dtype == torch.bfloat16:
-        assert torch.equal(got, want)
-    else:
-        exact = F.linear(x.double(), w.double(), None if b is None else b.double())
-        assert ((got.double() - exact).abs() <= 1e-5 * (x.double().abs() @ w.double().abs().T + 1)).all()
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    size = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    relative = 2 * 2.0 ** -8 + 1e-5 if dtype == torch.bfloat16 else 1e-5
+    assert ((got.double() - exact).abs() <= relative * size + 1e-5).all()
     # leading dimensions are kept (rows flattened: the stock 3-D product adds its bias apart)
     assert torch.equal(layer(x.view(1, rows, 100)), got.view(1, rows, 77))
 
@@ -149,22 +147,26 @@ def test_bf16_weights_stay_plain_where_onednn_has_no_bf16(monkeypatch):
 
 @onednn_bf16
 @pytest.mark.slow
-def test_bf16_engine_through_reordered_weights_equals_the_stock_gemm(smollm2):
-    """A bf16 SmolLM2 whose layers' weights are reordered for oneDNN (linear backend auto)
-    produces exactly the tokens and logits of the stock F.linear engine, prompts and decode steps
-    alike (the tied head, plain in both, takes the few-row kernel in both)."""
+def test_bf16_engine_through_reordered_weights_is_as_accurate_as_the_stock_gemm(smollm2):
+    """A bf16 SmolLM2 whose layers' weights are reordered for oneDNN (linear backend auto) is as
+    close to the fp32 model as the stock F.linear bf16 engine, prompts and decode steps alike (the
+    tied head, plain in both, takes the few-row kernel in both). The reference is fp32 math, so
+    the bound holds whichever GEMM oneDNN picks on this CPU."""
     ids = smollm2.tokenizer.encode("A paged cache hands out fixed-size blocks as sequences grow.")
     prompts = [ids[:n] for n in range(5, 15)]
     runs = {}
-    for backend in ("auto", "torch"):
-        engine = make_engine(smollm2, dtype="bfloat16", weight_dtype="bfloat16", max_model_len=64, max_num_seqs=8,
-                             linear_backend=backend)
+    for backend in ("fp32", "auto", "torch"):
+        bf16 = {} if backend == "fp32" else dict(dtype="bfloat16", weight_dtype="bfloat16", linear_backend=backend)
+        engine = make_engine(smollm2, max_model_len=64, max_num_seqs=8, **bf16)
         reordered = [m for m in engine.model.modules() if isinstance(m, linear.Linear) and m.onednn_weight is not None]
-        assert len(reordered) == (7 * smollm2.config.num_hidden_layers if backend == "auto" else 0)
-        engine.model.lm_head.few_row_kernel = linear.kernel_for("auto")
-        runs[backend] = run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True))
-    tokens = {k: [o.outputs[0].token_ids for o in out] for k, (out, _) in runs.items()}
-    assert tokens["auto"] == tokens["torch"]
-    for rid, steps in runs["auto"][1].items():
-        for a, b in zip(steps, runs["torch"][1][rid]):
-            assert torch.equal(a, b)
+        if backend != "fp32":
+            assert len(reordered) == (7 * smollm2.config.num_hidden_layers if backend == "auto" else 0)
+            engine.model.lm_head.few_row_kernel = linear.kernel_for("auto")
+        out, logits = run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True))
+        runs[backend] = ([o.outputs[0].token_ids for o in out], [torch.stack(v) for v in logits.values()])
+    assert runs["auto"][0] == runs["torch"][0]
+    error = {}
+    for name in ("auto", "torch"):
+        diffs = [(a - b).abs() for a, b in zip(runs[name][1], runs["fp32"][1])]
+        error[name] = (max(d.max().item() for d in diffs), sum(d.mean().item() for d in diffs) / len(diffs))
+    assert error["auto"][1] <= 1.25 * error["torch"][1] and error["auto"][0] <= 1.5 * error["torch"][0], error
