@@ -1,12 +1,14 @@
 """Start-up: the time from launching `kvserve serve` to its first answered request, and where it
 goes (measured in one process: imports, reading the model, building the engine and its kernels).
 
-The server is started the way a user starts it (`kvserve serve`, the default model, port 8000+)
-on a warm machine (model files in the page cache, compiled kernels already built); as soon as
-/health answers, one completion of one token is sent, and the clock stops when it comes back.
-Medians of --runs fresh processes.
+The server is started the way a user starts it (`kvserve serve`, the default model, port 8000+);
+as soon as /health answers, one completion of one token is sent, and the clock stops when it comes
+back. Medians of --runs fresh processes. By default the machine is warm (model files in the page
+cache, one start before the timed ones); --cold times first starts instead: no warm-up start, the
+page cache dropped where this user may, and torch's extension cache an empty folder for each run
+(so a revision that compiled its kernels on first use, --rev, pays for that as a new user did).
 
-    .venv/bin/python benchmarks/startup.py [--runs 5]
+    .venv/bin/python benchmarks/startup.py [--runs 5] [--cold] [--rev REV]
 
 Writes benchmarks/results/startup.json.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -30,11 +33,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def serve_once(tree: str | None = None) -> dict:
-    """One fresh `kvserve serve`; tree: another checkout of this repository to run instead."""
+def drop_page_cache() -> bool:
+    """Empty the page cache (root only; False where this machine does not allow it)."""
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def serve_once(tree: str | None = None, cold: bool = False) -> dict:
+    """One fresh `kvserve serve`; tree: another checkout of this repository to run instead;
+    cold: with an empty extension cache and, where allowed, an empty page cache."""
     import httpx
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": tree} if tree else None
+    env = {**os.environ, **({"PYTHONPATH": tree} if tree else {})}
+    scratch = tempfile.mkdtemp(prefix="kvserve-startup-")
+    if cold:
+        env["TORCH_EXTENSIONS_DIR"] = scratch
+        drop_page_cache()
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--port", str(port)], env=env,
                             cwd=tree, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -55,6 +74,7 @@ def serve_once(tree: str | None = None) -> dict:
     finally:
         proc.terminate()
         proc.wait(30)
+        shutil.rmtree(scratch, ignore_errors=True)
     return {"health_s": health, "first_answer_s": answered}
 
 
@@ -76,12 +96,13 @@ def stages() -> dict:
             "import_server_s": t4 - t3, "kv_blocks": engine.plan.num_blocks}
 
 
-def timed(label: str, runs: int, tree: str | None = None) -> dict:
-    serve_once(tree)  # warm: page cache, kernel builds
-    times = [serve_once(tree) for _ in range(runs)]
+def timed(label: str, runs: int, tree: str | None = None, cold: bool = False) -> dict:
+    if not cold:
+        serve_once(tree)  # warm: page cache, kernel builds
+    times = [serve_once(tree, cold) for _ in range(runs)]
     result = {key: statistics.median(r[key] for r in times) for key in times[0]}
     print(f"{label}: kvserve serve (SmolLM2) answers /health after {result['health_s']:.2f} s, its first "
-          f"completion after {result['first_answer_s']:.2f} s (median of {runs})")
+          f"completion after {result['first_answer_s']:.2f} s (median of {runs}, {'cold' if cold else 'warm'})")
     return {**result, "runs": times}
 
 
@@ -89,8 +110,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--rev", default=None, help="also measure this git revision (before)")
+    p.add_argument("--cold", action="store_true", help="first starts: no warm-up, empty caches")
     a = p.parse_args()
-    result: dict = {}
+    result: dict = {"cold": a.cold, "page_cache_dropped": drop_page_cache() if a.cold else None}
     if a.rev:
         repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         with tempfile.TemporaryDirectory() as tmp:
@@ -98,14 +120,15 @@ def main() -> None:
             subprocess.run(["git", "-C", repo, "worktree", "add", "--detach", tree, a.rev], check=True,
                            capture_output=True)
             try:
-                result["before"] = {"rev": a.rev, **timed(a.rev, a.runs, tree)}
+                result["before"] = {"rev": a.rev, **timed(a.rev, a.runs, tree, a.cold)}
             finally:
                 subprocess.run(["git", "-C", repo, "worktree", "remove", "--force", tree], capture_output=True)
-    result.update(timed("now", a.runs))
+    result.update(timed("now", a.runs, cold=a.cold))
     s = stages()
     result["stages"] = s
     print("stages: " + ", ".join(f"{k[:-2].replace('_', ' ')} {v:.2f} s" for k, v in s.items() if k.endswith("_s")))
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "startup.json")
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                       "startup_cold.json" if a.cold else "startup.json")
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
 

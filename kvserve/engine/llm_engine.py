@@ -27,6 +27,7 @@ from kvserve.distributed import workers
 from kvserve.distributed.handover import KVHandover, KVIdentity
 from kvserve.distributed.tensor_parallel import CommStats, check_shardable, install_row_parallel, shard_weights
 from kvserve.engine.outputs import RequestOutput
+from kvserve import kernels
 from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
 from kvserve.kv.sizing import CachePlan, cache_groups, is_bounded, plan_cache
@@ -108,7 +109,9 @@ class LLMEngine:
         """`loaded` lets several engines share weights already read from disk."""
         self.config = config
         t0 = time.perf_counter()
+        kernels_before = kernels.import_seconds()
         loaded = loaded or load_weights(config.model, config.tokenizer)
+        t_read = time.perf_counter()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         trained = loaded.config.max_position_embeddings
@@ -128,6 +131,7 @@ class LLMEngine:
         self.shard_config = shard.config  # what this rank's layers and cache hold
         self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype,
                                  config.packed_activations)
+        t_model = time.perf_counter()
         self.comm = CommStats()
         if world > 1:
             install_row_parallel(self.model, self.comm)
@@ -145,6 +149,7 @@ class LLMEngine:
         self.storage, swap_storage = (allocate_cache(config, shard.config, self.plan, layer_tensor, config.device)
                                       if config.use_cache else (None, None))
         self._set_fp8_scales(self.storage, swap_storage)
+        t_cache = time.perf_counter()
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
                                  self.plan.num_cpu_blocks if swap_storage is not None else 0,
@@ -176,6 +181,11 @@ class LLMEngine:
         if config.trace_path is not None:
             self.trace = StepTrace(self, config.trace_path)
         self.load_time_s = time.perf_counter() - t0
+        logger.info("engine built in %.2f s: weights read %.2f s, model built %.2f s (kernels imported %.2f s; "
+                    "%s), cache of %d blocks allocated %.2f s, runner and scheduler %.2f s", self.load_time_s,
+                    t_read - t0, t_model - t_read, kernels.import_seconds() - kernels_before,
+                    kernels.summary(loaded_only=True), self.plan.num_blocks, t_cache - t_model,
+                    time.perf_counter() - t_cache)
 
     @classmethod
     def from_options(cls, model: str = "SmolLM2-135M-Instruct", loaded: Optional[LoadedModel] = None,

@@ -598,7 +598,7 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
 
     from kvserve.config import env_api_key
     from kvserve.engine.args import make_engine
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=o.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = make_engine(model, **engine_options, max_waiting=o.max_waiting,
                          log_stats_interval_s=o.log_stats_interval)
     name = o.served_model_name or _default_name(model)
@@ -608,7 +608,7 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
                 engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
     # the grace period as given (fractions too); streams still open near its end are ended with
     # an error event and [DONE] rather than cut
-    config = uvicorn.Config(app, host=o.host, port=o.port, log_level="info",
+    config = uvicorn.Config(app, host=o.host, port=o.port, log_level=o.log_level,
                             timeout_graceful_shutdown=o.shutdown_timeout)  # type: ignore[arg-type]
     server = _GracefulServer(config)
     server.before_cut = (max(o.shutdown_timeout - END_STREAMS_BEFORE_S, 0.0),

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
 @dataclass(frozen=True)
 class ServeOptions:
     host: str = "127.0.0.1"
@@ -19,6 +22,7 @@ class ServeOptions:
     log_stats_interval: float = 10.0
     tool_call_parser: str = "auto"
     data_parallel_size: int = 1
+    log_level: str = "info"
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -34,6 +38,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
     g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval)
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level,
+                   help="info (default) also says where start-up went: reading weights, building the "
+                        "model and its kernels, allocating the cache")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                    help="N engine replicas (each its own process and cache) behind one cache-aware router")
     g.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=d.tool_call_parser,
