@@ -130,3 +130,28 @@ def test_a_second_install_neither_shares_nor_rebuilds_the_first_ones_kernels(sto
     assert {p.name: p.stat().st_mtime_ns for p in kernels.BUILT.iterdir()} == before  # nothing rebuilt here
     assert not (tmp_path / "torch_extensions").exists()
     assert json.loads((kernels.BUILT / REPORT_FILE).read_text()) == kernels.build_report()
+
+
+@pytest.mark.slow
+def test_an_install_without_a_compiler_succeeds_and_says_why(tmp_path):
+    """pip builds kvserve where no C++ compiler is on the PATH: the wheel is made, holds no
+    kernel build, and its report names the cause for each, which the runtime then repeats."""
+    repo = kernels.CSRC.parents[2]
+    tree = tmp_path / "tree"
+    shutil.copytree(repo, tree, ignore=shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.so", "report.json",
+                                                              "build", "*.egg-info", ".pytest_cache", ".peers"))
+    bare = tmp_path / "bin"  # nothing on the PATH but what pip needs
+    bare.mkdir()
+    env = {**os.environ, "PATH": str(bare), "CC": "cc", "CXX": "c++"}
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q",
+                            "-w", str(tmp_path / "wheel"), str(tree)], env=env, capture_output=True, text=True,
+                           timeout=300)
+    assert built.returncode == 0, built.stderr[-3000:]
+    import zipfile
+    (wheel,) = (tmp_path / "wheel").glob("kvserve-*.whl")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        report = json.loads(z.read(f"kvserve/kernels/built/{REPORT_FILE}"))
+    assert not [n for n in names if n.endswith(".so")]
+    assert set(report) == {module_name(k, i) for k, i in all_builds()}
+    assert all(not e["built"] and "No such file or directory" in e["reason"] for e in report.values()), report
