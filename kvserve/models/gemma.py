@@ -23,7 +23,7 @@ from torch import nn
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear
-from kvserve.models.llama import LlamaForCausalLM, RotaryEmbedding
+from kvserve.models.llama import LlamaForCausalLM, RotaryEmbedding, make_embedding
 
 
 class GemmaRMSNorm(nn.Module):
@@ -96,7 +96,7 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 

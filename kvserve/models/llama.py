@@ -196,10 +196,19 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
         return self.mlp(h), residual
 
 
+def make_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """An embedding table. Built on the meta device (as build_model builds every model, to assign
+    the loaded weights), it is left uninitialised: a random normal_ there imports torch._dynamo,
+    about 3 s of every start, for a table that is replaced at once."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(num_embeddings, embedding_dim, _weight=torch.empty(num_embeddings, embedding_dim))
+    return nn.Embedding(num_embeddings, embedding_dim)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
