@@ -1,17 +1,17 @@
 """The command line: figures, JSON fields, and one-line errors with a non-zero exit."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from kvserve.cli import main
 from tests.conftest import STORIES_DIR, STORIES_GOLDEN
+from tests.processes import run
 
 
 def run_cli(*args):
-    p = subprocess.run([sys.executable, "-m", "kvserve.cli", *args], capture_output=True, text=True, timeout=300)
+    p = run([sys.executable, "-m", "kvserve.cli", *args], timeout_s=300)  # past that, stopped with its children
     return p.returncode, p.stdout, p.stderr
 
 

@@ -1,11 +1,11 @@
 """kvserve.core stays pure Python and fully typed: importing it loads no torch, and it passes
 `mypy --strict` (imports from outside core are followed silently, not judged here)."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 import kvserve
+from tests.processes import run
 
 CORE = Path(kvserve.__file__).parent / "core"
 
@@ -15,7 +15,7 @@ def test_core_imports_without_torch():
             "for m in pkgutil.iter_modules(c.__path__): importlib.import_module('kvserve.core.' + m.name)\n"
             "print('torch' in sys.modules)")
     # kvserve/__init__ exposes LLM lazily, so importing a core module must not pull in torch
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    out = run([sys.executable, "-c", code], check=True)  # a failure shows its stderr
     assert out.stdout.strip() == "False", out.stderr
 
 

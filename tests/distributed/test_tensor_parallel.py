@@ -153,19 +153,18 @@ def test_ray_places_the_workers(stories, monkeypatch):
     """The same engine with its worker as a Ray actor, on a Ray started on loopback."""
     import os
     import shutil
-    import subprocess
     import sys
     import ray
     import tempfile
+    from tests.processes import run
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's sockets live under it
     cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    subprocess.run([cli, "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2",
-                    "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"],
-                   check=True, capture_output=True)
-    try:
+    try:  # a start that fails half way is stopped too
+        run([cli, "start", "--head", "--node-ip-address=127.0.0.1", "--num-cpus=2",
+             "--include-dashboard=false", f"--temp-dir={temp}", "--disable-usage-stats"], check=True)
         monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6379")
         _compare(stories, STORY_PROMPTS[:3], 2, distributed_executor_backend="ray", block_size=8)
     finally:
         ray.shutdown()
-        subprocess.run([cli, "stop", "--force"], capture_output=True)
+        run([cli, "stop", "--force"])
         shutil.rmtree(temp, ignore_errors=True)

@@ -5,7 +5,6 @@ caching or preemption; KL and top-1 against a reference format; the command's ou
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.eval.perplexity import Windows, perplexity
+from tests import processes
 from tests.conftest import compiled_kernel, make_engine
 
 
@@ -128,8 +128,8 @@ def test_kl_and_top1_against_a_reference_format(smollm2, hamlet_ids):
 def test_the_command_prints_json_and_refuses_bad_input(stories_path, tmp_path):
     text = tmp_path / "t.txt"
     text.write_text("Once upon a time, there was a little girl named Lily. She loved to play outside. " * 8)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "kvserve.cli", "eval", "perplexity",  # noqa: E731
-                                     "--model", stories_path, *a], capture_output=True, text=True, timeout=300)
+    run = lambda *a: processes.run([sys.executable, "-m", "kvserve.cli", "eval", "perplexity",  # noqa: E731
+                                    "--model", stories_path, *a], timeout_s=300)
     p = run("--text", str(text), "--context", "64", "--chunk", "16", "--kv-cache-dtype", "int4",
             "--reference-kv-dtype", "float32", "--json")
     assert p.returncode == 0, p.stderr

@@ -2,10 +2,11 @@
 glibc otherwise may serve large blocks with fresh mmaps (unmapped when freed) and trim freed
 heap memory back to the OS, so every new tensor faults its pages."""
 
-import subprocess
 import sys
 
 import pytest
+
+from tests.processes import run
 
 CODE = """
 import ctypes, resource, sys, torch, torch.nn.functional as F
@@ -35,7 +36,7 @@ ONE_STEP_PAGES = (4 * 1024 * 1536 + 3 * 1024 * 576) * 4 // 4096  # what one MLP 
 
 
 def page_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", CODE, mode], capture_output=True, text=True, check=True)
+    out = run([sys.executable, "-c", CODE, mode], check=True)  # a failure shows its stderr
     return int(out.stdout.strip())
 
 

@@ -1,11 +1,11 @@
 """Bad input gets the right status and a clear message; disconnects free blocks; the server
 stays up; the API key is required and never logged; schemathesis finds no 500s."""
 
+import contextlib
 import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 
@@ -14,6 +14,7 @@ import pytest
 
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.conftest import STORIES_DIR
+from tests.processes import healthy, running
 from tests.server.conftest import API_KEY, free_port
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -143,26 +144,21 @@ def test_full_queue_is_503_with_retry_after(stories):
         assert r503.headers["retry-after"] == "1" and "queue is full" in r503.json()["error"]["message"]
 
 
+@contextlib.contextmanager
 def serve_in_a_process(*args, env=None):
-    """`kvserve serve` on stories260K in its own process, once it answers /health: (process, url)."""
+    """`kvserve serve` on stories260K in its own process group, once it answers /health:
+    (the running process, url). Stopped with its group on leaving, however the test ends."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_DIR),
-                             "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    return proc, url
+    cmd = [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_DIR), "--port", str(port), *args]
+    with running(cmd, ready=healthy(url), timeout_s=120, env=env) as server:
+        yield server, url
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
-    proc, url = serve_in_a_process("--num-blocks", "64", "--shutdown-timeout", "20",
-                                   env={**os.environ, "KVSERVE_API_KEY": "s3cret-value"})
-    try:
+    with serve_in_a_process("--num-blocks", "64", "--shutdown-timeout", "20",
+                            env={**os.environ, "KVSERVE_API_KEY": "s3cret-value"}) as (server, url):
+        proc = server.proc
         auth = {"Authorization": "Bearer s3cret-value"}
         assert httpx.post(url + "/v1/completions", json={"prompt": "hi"}).status_code == 401
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", headers=auth, json={
@@ -173,10 +169,7 @@ def test_sigterm_finishes_in_flight_and_exits_zero(tmp_path):
             rest = list(lines)
         assert "data: [DONE]" in rest  # the in-flight stream was allowed to finish
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    log = proc.stdout.read()
+    log = server.output()
     assert "s3cret-value" not in log
 
 
@@ -184,8 +177,8 @@ def test_streams_open_past_the_grace_period_end_with_an_error_event(tmp_path):
     """A never-ending stream (a sliding window lets it run past the context) and a fractional
     grace period: the stream gets finish_reason "error", an error event and [DONE] in time, the
     process exits 0, and nothing is logged as a traceback."""
-    proc, url = serve_in_a_process("--sliding-window", "64", "--shutdown-timeout", "1.5")
-    try:
+    with serve_in_a_process("--sliding-window", "64", "--shutdown-timeout", "1.5") as (server, url):
+        proc = server.proc
         with httpx.Client(timeout=60) as c, c.stream("POST", url + "/v1/completions", json={
                 "prompt": "Once upon a time", "max_tokens": 1_000_000, "stream": True, "ignore_eos": True}) as r:
             lines = r.iter_lines()
@@ -199,10 +192,7 @@ def test_streams_open_past_the_grace_period_end_with_an_error_event(tmp_path):
         assert events[-1]["error"]["message"] == "the server is shutting down"
         assert events[-2]["choices"][0]["finish_reason"] == "error"
         assert proc.wait(30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert "Traceback" not in proc.stdout.read()
+    assert "Traceback" not in server.output()
 
 
 def test_openapi_schema_fuzzing_finds_no_500(stories_server):

@@ -5,6 +5,7 @@ outputs stay the same."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -18,6 +19,7 @@ import pytest
 
 from kvserve.server.router import CHUNK_CHARS, Router, RoutingPolicy, merge_metrics
 from tests.conftest import STORIES_DIR, greedy, make_llm
+from tests.processes import healthy, running, wait_ready
 from tests.server.conftest import RunningServer, free_port
 
 FAMILIES = ["Once upon a time, there was a little girl named Lily. She loved to play outside in the sun with "
@@ -78,29 +80,35 @@ def test_metrics_are_labelled_per_replica_with_a_total():
 
 # ---- real replicas ----
 class Replicas:
-    """n `kvserve serve` processes of stories260K and the router in a thread."""
+    """n `kvserve serve` processes of stories260K and the router in a thread; leaving stops the
+    router, then each replica with its process group, however the test ended."""
 
     def __init__(self, n: int) -> None:
-        from kvserve.server.router import create_router_app, wait_healthy
-        exe = os.path.join(os.path.dirname(sys.executable), "kvserve")
-        self.ports = [free_port() for _ in range(n)]
-        self.procs = [subprocess.Popen([exe, "serve", "--model", str(STORIES_DIR), "--port", str(p),
-                                        "--num-blocks", "512", "--log-stats-interval", "1000"],
-                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for p in self.ports]
-        urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        wait_healthy(urls, 120)
-        self.router = Router(urls)
-        self.server = RunningServer(create_router_app(self.router, health_interval_s=0.2), None)
+        self.n = n
+        self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "Replicas":
-        self.server.__enter__()
+        from kvserve.server.router import create_router_app
+        self.ports = [free_port() for _ in range(self.n)]
+        urls = [f"http://127.0.0.1:{p}" for p in self.ports]
+        with contextlib.ExitStack() as stack:  # a failed start stops what did start
+            self.servers = [stack.enter_context(running(serve_command(p, "--num-blocks", "512")))
+                            for p in self.ports]
+            self.procs = [s.proc for s in self.servers]
+            wait_ready([(s, healthy(u)) for s, u in zip(self.servers, urls)], 120)  # started side by side
+            self.router = Router(urls)
+            app = create_router_app(self.router, health_interval_s=0.2)
+            self.server = stack.enter_context(RunningServer(app, None))
+            self._stack = stack.pop_all()  # all up: __exit__ stops them
         return self
 
     def __exit__(self, *exc) -> None:
-        self.server.__exit__(*exc)
-        for p in self.procs:
-            p.kill()
-            p.wait(10)
+        self._stack.__exit__(*exc)
+
+
+def serve_command(port: int, *args: str) -> list[str]:
+    exe = os.path.join(os.path.dirname(sys.executable), "kvserve")
+    return [exe, "serve", "--model", str(STORIES_DIR), "--port", str(port), *args, "--log-stats-interval", "1000"]
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 16) -> httpx.Response:
@@ -180,15 +188,12 @@ def test_killing_a_replica_fails_its_streams_and_spares_the_others(offline):
 
 def test_serve_with_data_parallel_size_starts_replicas_behind_the_router(offline):
     """`kvserve serve --data-parallel-size 2`: one endpoint, two replica processes, all gone after SIGTERM."""
-    exe = os.path.join(os.path.dirname(sys.executable), "kvserve")
     port = free_port()
-    proc = subprocess.Popen([exe, "serve", "--model", str(STORIES_DIR), "--data-parallel-size", "2", "--port", str(port),
-                             "--num-blocks", "256", "--log-stats-interval", "1000"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
-    try:
-        from kvserve.server.router import wait_healthy
-        wait_healthy([url], 120)
+    # its own process group: should the test fail before the SIGTERM, the replicas are stopped with it
+    with running(serve_command(port, "--data-parallel-size", "2", "--num-blocks", "256"), ready=healthy(url),
+                 timeout_s=120) as server:
+        proc = server.proc
         assert httpx.get(url + "/health").json()["replicas_alive"] == 2
         got = _complete(url, FAMILIES[0])
         assert got.json()["choices"][0]["text"] == offline.generate(FAMILIES[0], greedy(16))[0].outputs[0].text
@@ -198,10 +203,9 @@ def test_serve_with_data_parallel_size_starts_replicas_behind_the_router(offline
                                                    text=True).stdout.split()]
         replicas = [pid for pid in children if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
         assert len(replicas) == 2
-    finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(60)
-    assert proc.returncode == 0
-    for pid in replicas:  # the replicas went with it
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert proc.returncode == 0
+        for pid in replicas:  # the replicas went with it (checked before leaving stops the group)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
