@@ -342,9 +342,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_router(a: argparse.Namespace) -> int:
-    from kvserve.server.router import RoutingPolicy, run_router
-    return run_router(a.replica, a.host, a.port, a.api_key or env_api_key(),
-                      RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
+    from kvserve.server.router import RouterOptions, RoutingPolicy, run_router
+    try:
+        options = RouterOptions(a.host, a.port, a.api_key or env_api_key(), a.max_body_bytes, a.shutdown_timeout,
+                                RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    return run_router(a.replica, options)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -409,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--out", default="kvcache.html", help="the HTML file to write")
     v.add_argument("--save-trace", default=None, metavar="FILE", help="also keep the scenario's trace")
     v.set_defaults(func=cmd_visualize)
-    from kvserve.server.args import add_serve_args
+    from kvserve.server.args import ServeOptions, add_serve_args
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(s)
     add_serve_args(s)
@@ -420,6 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8000)
     r.add_argument("--api-key", default=None, help="required of clients, and passed on to the replicas")
+    r.add_argument("--max-body-bytes", type=int, default=ServeOptions.max_body_bytes,
+                   help="larger bodies are refused with 413 (counted as they arrive), as by a server")
+    r.add_argument("--shutdown-timeout", type=float, default=ServeOptions.shutdown_timeout,
+                   help="seconds open requests get to finish on SIGTERM; then they are closed")
     r.add_argument("--cache-threshold", type=float, default=0.5,
                    help="route by prefix when a replica holds at least this share of a request's text")
     r.add_argument("--balance-abs-threshold", type=int, default=16,

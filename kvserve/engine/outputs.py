@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -74,3 +75,16 @@ class RequestOutput:
     @property
     def num_cached_tokens(self) -> int:
         return self.metrics.num_cached_tokens
+
+
+def coalesce(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """One output saying what two consecutive outputs of a request said: `later`, with each
+    sample's delta (text and token ids) preceded by what `earlier` had not yet been read for. An
+    output without samples (a request ended from outside the engine) stands as it is."""
+    before = {c.index: c for c in earlier.outputs}
+    merged = []
+    for c in later.outputs:
+        e = before.get(c.index)
+        merged.append(c if e is None else dataclasses.replace(
+            c, delta=e.delta + c.delta, delta_token_ids=e.delta_token_ids + c.delta_token_ids))
+    return dataclasses.replace(later, outputs=merged) if later.outputs else later

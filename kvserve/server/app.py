@@ -4,10 +4,14 @@ events), models, health and Prometheus metrics, over one AsyncEngine.
 Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for invalid
 requests (naming the field), 401 without the API key, 404 for an unknown model, 413 for an
 oversized body, 503 with Retry-After when the waiting queue is full.
+
+With an API key set, /v1/* and the tokenizer endpoints need it; /tokenize and /detokenize run on
+their own thread with a short queue (503 past it), never on the threads completions tokenize on.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import hmac
 import json
@@ -32,6 +36,11 @@ from kvserve.server.tools import ToolCallParser, ToolPlan, fallback_messages, pl
 
 logger = logging.getLogger("kvserve.server")
 END_STREAMS_BEFORE_S = 0.5  # how long before the grace period ends open streams get their last event
+DISCONNECT_POLL_S = 0.25  # how often a response that is not writing anything looks for its client
+CLIENT_GONE = "client disconnected"
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")  # what needs the API key when one is set
+TOKENIZE_THREADS = 1  # /tokenize and /detokenize: threads of their own (1 MiB of text is seconds) ...
+TOKENIZE_MAX_WAITING = 8  # ... and calls queued for them; past it, 503
 
 
 class APIError(Exception):
@@ -60,6 +69,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None
         aengine.start()
         yield
         aengine.stop()
+        app.state.tokenizer_threads.close()
 
     app = FastAPI(title="kvserve", version="0.1.0", lifespan=lifespan)
     app.state.engine, app.state.async_engine, app.state.metrics = engine, aengine, metrics
@@ -103,14 +113,16 @@ class _Guard:
     disconnects from the routes). The body is counted as it arrives, so a chunked body is held
     to the limit as one with a Content-Length."""
 
-    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int, metrics: ServerMetrics) -> None:
+    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int, metrics: Any,
+                 keyed: tuple[str, ...] = KEYED_PATHS) -> None:
         self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
+        self.keyed = keyed  # path prefixes that need the key (metrics: anything with reject(status))
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        if scope["path"].startswith("/v1") and self.api_key is not None and not self._authorized(headers):
+        if scope["path"].startswith(self.keyed) and self.api_key is not None and not self._authorized(headers):
             self.metrics.reject("401")
             return await error_response(APIError(401, "missing or invalid API key (Authorization: Bearer ...)",
                                                  kind="authentication_error", code="invalid_api_key"))(
@@ -151,7 +163,10 @@ class _Guard:
 
 def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model_name: str,
                     metrics: ServerMetrics, tool_call_parser: Optional[str], needs_key: bool) -> None:
+    from kvserve.server.bounded import BoundedThreads
     tokenizer = engine.tokenizer
+    app.state.tokenizer_threads = side = BoundedThreads("/tokenize and /detokenize", TOKENIZE_THREADS,
+                                                        TOKENIZE_MAX_WAITING)
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != model_name:
@@ -220,10 +235,10 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
                 messages = [m.for_template() for m in body.messages]
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from e
-            ids = await _tokenize("messages", tokenizer.encode_chat, messages)
+            ids = await _tokenize("messages", tokenizer.encode_chat, messages, side)
         else:
             ids = await _tokenize("prompt", lambda p: tokenizer.encode(p, add_special_tokens=body.add_special_tokens),
-                                  body.prompt)
+                                  body.prompt, side)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
@@ -232,7 +247,7 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         vocab = engine.model_config.vocab_size
         if tokenizer is None or any(not 0 <= t < vocab for t in body.tokens):
             raise APIError(400, f"tokens: ids must be in [0, {vocab})", "tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
+        return {"prompt": await _tokenizer_call(tokenizer.decode, body.tokens, side)}
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
@@ -273,14 +288,27 @@ def _chat_input(body: ChatCompletionRequest, plan: Optional[ToolPlan],
     return fallback_messages(messages, plan.tools if plan else ()), None
 
 
-async def _tokenize(field: str, encode: Any, value: Any) -> list[int]:
+async def _tokenize(field: str, encode: Any, value: Any, threads: Any = None) -> list[int]:
     """Tokens of a request's text, in a worker thread; text that cannot be encoded (a lone
     surrogate) is a 400 naming the field."""
-    import asyncio
     try:
-        return await asyncio.to_thread(encode, value)  # type: ignore[no-any-return]
+        return await _tokenizer_call(encode, value, threads)  # type: ignore[no-any-return]
     except (UnicodeError, ValueError, TypeError) as e:
         raise APIError(400, f"{field}: cannot be tokenized ({type(e).__name__}: {e})"[:500], field) from e
+
+
+async def _tokenizer_call(fn: Any, value: Any, threads: Any = None) -> Any:
+    """fn(value) off the event loop: on the shared worker threads, or on `threads` (a
+    BoundedThreads: 503 with Retry-After when they are busy)."""
+    import asyncio
+
+    from kvserve.server.bounded import Busy
+    if threads is None:
+        return await asyncio.to_thread(fn, value)
+    try:
+        return await threads.run(fn, value)
+    except Busy as e:
+        raise APIError(503, str(e), kind="server_overloaded", code="busy", headers={"Retry-After": "1"}) from e
 
 
 def _params(body: Any, logprobs: Optional[int], default_max_tokens: int, prompt_logprobs: Optional[int] = None) -> Any:
@@ -303,6 +331,35 @@ async def _start(aengine: AsyncEngine, rid: str, body: Any, prompt: Any, params:
         raise APIError(400, str(e), field) from e
 
 
+class _AbortOnDisconnect:
+    """Aborts a response's requests once its client has gone, whether or not they have produced
+    anything: a request still waiting for a seat, or one that makes no progress, would otherwise
+    hold its place and blocks until an output showed the disconnect. The abort ends the handler's
+    wait with a last output (CLIENT_GONE); aborts are repeated while the response lives, so a
+    request added after the client left is ended too."""
+
+    def __init__(self, request: Request, aengine: AsyncEngine) -> None:
+        self.request, self.aengine = request, aengine
+        self.request_ids: list[str] = []
+        self._task: Optional[asyncio.Task[None]] = None
+
+    async def __aenter__(self) -> "_AbortOnDisconnect":
+        self._task = asyncio.create_task(self._watch())
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self._task is not None
+        self._task.cancel()
+
+    async def _watch(self) -> None:
+        while not await self.request.is_disconnected():
+            await asyncio.sleep(DISCONNECT_POLL_S)
+        while True:
+            for rid in self.request_ids:
+                self.aengine.abort(rid, CLIENT_GONE)
+            await asyncio.sleep(DISCONNECT_POLL_S)
+
+
 async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
     last = first
     try:
@@ -312,8 +369,8 @@ async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], re
                 break
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
-    if not last.finished:
-        raise APIError(499, "client disconnected", kind="client_closed_request")
+    if not last.finished or last.error == CLIENT_GONE:
+        raise APIError(499, CLIENT_GONE, kind="client_closed_request")
     if last.error:
         raise APIError(500, last.error, kind="server_error")
     return last
@@ -323,13 +380,15 @@ async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, re
                    model_name: str, chat: bool, tokenizer: Any, echo: Optional[str] = None,
                    tools: Optional[ToolPlan] = None) -> Any:
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    first, stream = await _start(aengine, rid, body, prompt, params, chat)
-    fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo, tools)
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_sse([_Part(fmt, first, stream)], request, include_usage),
-                                 media_type="text/event-stream")
-    return fmt.full(await _finish(first, stream, request))
+    async with _AbortOnDisconnect(request, aengine) as watch:  # a stream watches from here on
+        watch.request_ids.append(rid)
+        first, stream = await _start(aengine, rid, body, prompt, params, chat)
+        fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo, tools)
+        if body.stream and first.error != CLIENT_GONE:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(_sse([_Part(fmt, first, stream)], request, include_usage),
+                                     media_type="text/event-stream")
+        return fmt.full(await _finish(first, stream, request))
 
 
 async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request: Request,
@@ -337,21 +396,22 @@ async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], par
     """Several prompts in one completion request: each runs as its own request (batched by the
     engine); their choices are numbered prompt by prompt, n each, as OpenAI and vLLM do. A
     stream interleaves their chunks as they come."""
-    import asyncio
     rid = f"cmpl-{uuid.uuid4().hex}"
     started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
     fmts = [_Formatter(rid, model_name, False, tokenizer, bool(body.echo), echo[i] if echo else None,
                        offset=i * params.n) for i in range(len(prompts))]
     try:
-        for i, p in enumerate(prompts):
-            started.append(await _start(aengine, f"{rid}-{i}", body, p, params, False))
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            parts = [_Part(f, first, stream) for f, (first, stream) in zip(fmts, started)]
-            response = StreamingResponse(_sse(parts, request, include_usage), media_type="text/event-stream")
-            started = []  # the stream owns them now
-            return response
-        outs = await asyncio.gather(*(_finish(first, stream, request) for first, stream in started))
+        async with _AbortOnDisconnect(request, aengine) as watch:  # a stream watches from here on
+            for i, p in enumerate(prompts):
+                watch.request_ids.append(f"{rid}-{i}")
+                started.append(await _start(aengine, f"{rid}-{i}", body, p, params, False))
+            if body.stream and all(first.error != CLIENT_GONE for first, _ in started):
+                include_usage = bool(body.stream_options and body.stream_options.include_usage)
+                parts = [_Part(f, first, stream) for f, (first, stream) in zip(fmts, started)]
+                response = StreamingResponse(_sse(parts, request, include_usage), media_type="text/event-stream")
+                started = []  # the stream owns them now
+                return response
+            outs = await asyncio.gather(*(_finish(first, stream, request) for first, stream in started))
     finally:
         for _, stream in started:
             await stream.aclose()  # type: ignore[attr-defined]
@@ -378,7 +438,6 @@ class _Part:
 
 async def _outputs(parts: list[_Part]) -> AsyncIterator[tuple[_Part, RequestOutput]]:
     """Every part's outputs, first ones first, then as each comes."""
-    import asyncio
     if len(parts) == 1:  # one request: read it directly
         p = parts[0]
         yield p, p.first

@@ -15,8 +15,35 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable, Optional
 
 from kvserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
-from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.outputs import RequestOutput, coalesce
 from kvserve.core.sampling_params import SamplingParams
+
+
+MAX_UNREAD_S = 30.0  # a stream whose reader has taken nothing for this long is aborted
+STOPPED_READING = "the client stopped reading its stream"
+
+
+class _Mailbox:
+    """What a request's reader has not taken yet, folded into one output (engine.outputs.coalesce):
+    a reader that falls behind gets everything since its last read at once, and the memory held for
+    it stays that of one output however far behind it is. Used on the event loop only."""
+
+    def __init__(self) -> None:
+        self.pending: Optional[RequestOutput] = None
+        self.unread_since: Optional[float] = None
+        self._ready = asyncio.Event()
+
+    def put(self, out: RequestOutput) -> None:
+        self.pending = out if self.pending is None else coalesce(self.pending, out)
+        self.unread_since = self.unread_since or time.monotonic()
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        out, self.pending, self.unread_since = self.pending, None, None
+        self._ready.clear()
+        assert out is not None
+        return out
 
 
 @dataclass
@@ -28,12 +55,14 @@ class _Add:
     cache_salt: Optional[str]
     loop: asyncio.AbstractEventLoop
     done: asyncio.Future  # set to None, or to the exception add_request raised
-    outputs: asyncio.Queue
+    outputs: _Mailbox
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[RequestOutput], None]] = None) -> None:
+    def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[RequestOutput], None]] = None,
+                 max_unread_s: float = MAX_UNREAD_S) -> None:
         self.engine = engine
+        self.max_unread_s = max_unread_s
         self.on_finished = on_finished  # metrics hook, called on the engine thread
         self._commands: "queue.Queue[Any]" = queue.Queue()
         self._streams: dict[str, _Add] = {}
@@ -59,7 +88,7 @@ class AsyncEngine:
         """Outputs of one request as they come. Leaving early (a client that disconnects)
         aborts the request, which frees its blocks at once."""
         loop = asyncio.get_running_loop()
-        cmd = _Add(request_id, prompt, params, priority, cache_salt, loop, loop.create_future(), asyncio.Queue())
+        cmd = _Add(request_id, prompt, params, priority, cache_salt, loop, loop.create_future(), _Mailbox())
         self._commands.put(cmd)
         error = await cmd.done
         if error is not None:
@@ -72,7 +101,7 @@ class AsyncEngine:
                 yield out
         finally:
             if not finished:
-                self._commands.put(("abort", request_id))
+                self._commands.put(("abort", request_id, None))
 
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """fn(engine) run on the engine thread between two steps (what it reads is one instant's);
@@ -85,8 +114,10 @@ class AsyncEngine:
             raise value
         return value
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, reason: Optional[str] = None) -> None:
+        """End a request. With a reason, whoever still awaits its outputs gets a last one with
+        that error (a handler waiting for a first output that will now never come)."""
+        self._commands.put(("abort", request_id, reason))
 
     def end_all(self, message: str) -> None:
         """End every request in flight with this error (a server that shuts down): each stream
@@ -141,9 +172,12 @@ class AsyncEngine:
         elif cmd[0] == "end_all":
             self._fail_all(cmd[1])
         elif cmd[0] == "abort":
-            if self.engine.abort(cmd[1]):
+            _, rid, reason = cmd
+            if self.engine.abort(rid):
                 self.stats = self.engine.stats()
-            self._streams.pop(cmd[1], None)
+            stream = self._streams.pop(rid, None)
+            if stream is not None and reason is not None:
+                stream.loop.call_soon_threadsafe(stream.outputs.put, _error_output(rid, reason))
 
     def _deliver(self, out: RequestOutput) -> None:
         cmd = self._streams.get(out.request_id)
@@ -152,13 +186,22 @@ class AsyncEngine:
             if self.on_finished is not None:
                 self.on_finished(out)
         if cmd is not None:
-            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, out)
+            cmd.loop.call_soon_threadsafe(self._offer, cmd, out)
+
+    def _offer(self, cmd: _Add, out: RequestOutput) -> None:
+        """On the event loop: hand `out` to the request's reader; one that has taken nothing for
+        max_unread_s (a client that stopped reading) has its request aborted."""
+        box = cmd.outputs
+        if box.unread_since is not None and time.monotonic() - box.unread_since > self.max_unread_s \
+                and not out.finished:
+            self.abort(cmd.request_id, STOPPED_READING)
+        box.put(out)
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):
             self.engine.abort(rid)
             cmd = self._streams.pop(rid)
-            cmd.loop.call_soon_threadsafe(cmd.outputs.put_nowait, _error_output(rid, message))
+            cmd.loop.call_soon_threadsafe(cmd.outputs.put, _error_output(rid, message))
         self.stats = self.engine.stats()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from kvserve.core.sampling_params import SamplingParams
 
@@ -15,7 +15,7 @@ MAX_PROMPTS = 64
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # OpenAI fields these endpoints do not serve: accepted where they ask for nothing (null, false,
@@ -40,18 +40,18 @@ class _Common(BaseModel):
 
     model: Optional[str] = Field(None, max_length=256)
     max_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    temperature: StrictFloat = Field(1.0, ge=0.0, le=100.0)
+    top_p: StrictFloat = Field(1.0, gt=0.0, le=1.0)
     top_k: StrictInt = Field(0, ge=-1, le=1 << 20)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_p: StrictFloat = Field(0.0, ge=0.0, le=1.0)
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     stop: Optional[Union[str, list[str]]] = None
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     seed: Optional[StrictInt] = Field(None, ge=0, le=2**63 - 1)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)
     user: Optional[str] = Field(None, max_length=256)
     cache_salt: Optional[str] = Field(None, max_length=256)
     priority: StrictInt = Field(0, ge=-1000, le=1000)
@@ -59,8 +59,8 @@ class _Common(BaseModel):
     # vLLM's extra parameters for beam search: n beams returned out of best_of (default n)
     use_beam_search: StrictBool = False
     best_of: Optional[StrictInt] = Field(None, ge=1, le=MAX_N)
-    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
-    early_stopping: Union[bool, Literal["never"]] = False
+    length_penalty: StrictFloat = Field(1.0, ge=-10.0, le=10.0)
+    early_stopping: Union[StrictBool, Literal["never"]] = False
 
     # structured outputs: OpenAI's response_format, or vLLM's guided_* parameters (one of them)
     response_format: Optional[dict[str, Any]] = None

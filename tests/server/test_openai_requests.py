@@ -138,11 +138,12 @@ def test_max_tokens_zero_needs_echo(stories_server):
 
 
 def test_tokenize_and_detokenize(stories_server):
-    r = httpx.post(stories_server.url + "/tokenize", json={"prompt": "Once upon"}, timeout=30)
+    r = httpx.post(stories_server.url + "/tokenize", json={"prompt": "Once upon"}, headers=AUTH, timeout=30)
     assert r.status_code == 200 and r.json()["count"] == len(r.json()["tokens"]) > 1
-    back = httpx.post(stories_server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, timeout=30)
+    back = httpx.post(stories_server.url + "/detokenize", json={"tokens": r.json()["tokens"]}, headers=AUTH,
+                      timeout=30)
     assert back.status_code == 200 and back.json()["prompt"] == "Once upon"
-    bad = httpx.post(stories_server.url + "/detokenize", json={"tokens": [10 ** 6]}, timeout=30)
+    bad = httpx.post(stories_server.url + "/detokenize", json={"tokens": [10 ** 6]}, headers=AUTH, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 

@@ -1,0 +1,68 @@
+"""Backpressure: what a stream's reader has not taken is one output, however far behind it falls,
+and a reader that stops taking anything has its request aborted and its blocks freed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvserve.server.async_engine import STOPPED_READING, AsyncEngine
+from tests.conftest import greedy, make_engine
+
+
+async def run_reader(aengine: AsyncEngine, rid: str, prompt: str, params, pause_after: int, pause_s: float):
+    """Read the request's outputs, pausing pause_s after the first pause_after of them."""
+    outs = []
+    async for out in aengine.generate(rid, prompt, params):
+        outs.append(out)
+        if len(outs) == pause_after:
+            await asyncio.sleep(pause_s)
+    return outs
+
+
+def test_a_reader_that_falls_behind_gets_everything_in_one_output(stories):
+    engine = make_engine(stories, max_num_seqs=4)
+    params = greedy(120, ignore_eos=True)
+    aengine = AsyncEngine(engine)
+    aengine.start()
+    try:
+        outs = asyncio.run(run_reader(aengine, "slow", "Once upon a time", params, pause_after=1, pause_s=1.5))
+    finally:
+        aengine.stop()
+    final = outs[-1].outputs[0]
+    assert final.finished and len(final.token_ids) == 120
+    assert len(outs) < 20  # the steps made while it slept came as one output, not one each
+    assert "".join(o.outputs[0].delta for o in outs) == final.text
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
+    alone = make_engine(stories)
+    rid = alone.add_request(None, "Once upon a time", params)
+    while alone.has_unfinished():
+        for out in alone.step():
+            if out.request_id == rid and out.finished:
+                assert out.outputs[0].token_ids == final.token_ids
+
+
+def test_a_reader_that_stops_reading_is_aborted_and_its_blocks_freed(stories):
+    engine = make_engine(stories, max_num_seqs=4, sliding_window=32)
+    aengine = AsyncEngine(engine, max_unread_s=0.5)
+    aengine.start()
+
+    async def stall() -> list:
+        outs = []
+        stream = aengine.generate("stalled", "Once upon a time", greedy(20000, ignore_eos=True))
+        outs.append(await stream.__anext__())
+        deadline = time.monotonic() + 30
+        while aengine.stats.scheduler.num_running and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)  # read nothing
+        async for out in stream:
+            outs.append(out)
+        return outs
+
+    try:
+        outs = asyncio.run(stall())
+        assert outs[-1].finished and outs[-1].error == STOPPED_READING
+        assert len(outs[-1].outputs) == 0 and len(outs) == 2
+        assert not engine.has_unfinished() and engine.kv.pool.num_used_blocks == 0
+        engine.check_integrity()
+    finally:
+        aengine.stop()
