@@ -48,6 +48,12 @@ class StructuredOutputs:
         matcher = self._ll.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
             raise ValueError(f"structured {kind}: {matcher.get_error()}")
+        # a grammar that matches nothing (a rule defined only by itself, an empty character class)
+        # compiles, and fails at its first mask: found here, not by an empty 200 answer
+        import llguidance.torch as lltorch
+        lltorch.fill_next_token_bitmask(matcher, lltorch.allocate_token_bitmask(1, self.vocab_size), 0)
+        if matcher.is_error():
+            raise ValueError(f"structured {kind}: the grammar matches nothing ({matcher.get_error()})")
         return grammar  # type: ignore[no-any-return]
 
     def mask(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:

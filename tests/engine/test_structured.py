@@ -105,3 +105,12 @@ def test_bad_constraints_are_refused_by_name(engine):
             engine.add_request(None, "hi", SamplingParams(structured=spec))
     with pytest.raises(ValueError, match="structured"):
         SamplingParams(structured=("json_schema", "{}"), n=2)
+
+
+@pytest.mark.parametrize("spec", [("grammar", "start: x\nx: x"), ("regex", "[^\\x00-\\U0010ffff]")])
+def test_a_grammar_that_matches_nothing_is_refused_at_once(engine, spec):
+    """It compiles, but no output can satisfy it: refused when added (a 400 from the server),
+    not answered with an empty completion."""
+    with pytest.raises(ValueError, match=f"structured {spec[0]}: the grammar matches nothing"):
+        engine.add_request(None, "hi", SamplingParams(structured=spec))
+    assert not engine.has_unfinished()
