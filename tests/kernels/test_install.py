@@ -29,11 +29,15 @@ def quiet_env(tmp_path: Path) -> dict[str, str]:
     return {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions")}
 
 
+def skip_without_compiler() -> None:
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        pytest.skip("no C++ compiler here: the install could build no kernels")
+
+
 def test_the_install_built_every_level_of_every_kernel():
     report = kernels.build_report()
     assert report is not None, "no kvserve/kernels/built/report.json: setup.py built no kernels"
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        pytest.skip("no C++ compiler here: the install could build no kernels")
+    skip_without_compiler()
     for kernel, isa in all_builds():
         entry = report.get(module_name(kernel, isa))
         assert entry is not None and entry["built"], (kernel, isa, entry)
@@ -42,8 +46,7 @@ def test_the_install_built_every_level_of_every_kernel():
 
 def test_every_level_this_cpu_runs_loads_from_the_package(monkeypatch):
     monkeypatch.setenv("KVSERVE_KERNELS", "auto")
-    if kernels.build_report() is None:
-        pytest.skip("installed without kernel builds")
+    skip_without_compiler()
     for name in kernels.KERNEL_ISAS:
         for isa in kernels.supported_isas(name):
             module = kernels.load(name, isa)
@@ -108,8 +111,7 @@ def second_venv(tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 def test_a_second_install_neither_shares_nor_rebuilds_the_first_ones_kernels(stories_path, tmp_path):
-    if kernels.build_report() is None:
-        pytest.skip("installed without kernel builds")
+    skip_without_compiler()
     venv = second_venv(tmp_path)
     env = quiet_env(tmp_path)
     before = {p.name: p.stat().st_mtime_ns for p in kernels.BUILT.iterdir()}
