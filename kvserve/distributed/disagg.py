@@ -167,7 +167,7 @@ class KVExporter:
         self._ready.append(KVHandover(
             req.request_id, prompt, list(req.prompt_token_ids), list(req.output_token_ids),
             list(req.output_logprobs), e.kv_identity(), num_tokens, storage.kind, tuple(storage.layer_to_tensor),
-            read_blocks(storage, blocks) if blocks else [{}], e.runner.sampler.state(req.request_id)))
+            read_blocks(storage, blocks) if blocks else [{}], e.runner.sampler.key(req.request_id)))
 
 
 def check_disaggregable(engine: Any) -> None:

@@ -48,7 +48,7 @@ class KVHandover:
     kind: str  # the storage kind ("dense", "int8", "fp8")
     layer_to_tensor: tuple[int, ...]
     blocks: list[dict[str, torch.Tensor]]  # per layer-tensor set, name -> [num_blocks, ...] on the CPU
-    generator_state: Optional[torch.Tensor] = None  # a seeded request's random state after its first draw
+    sampling_key: Optional[int] = None  # the key of the request's random numbers (Sampler.key)
 
     @property
     def nbytes(self) -> int:

@@ -213,7 +213,7 @@ class LLMEngine:
                 sliding_window=c.cache.sliding_window, attention_sinks=c.cache.attention_sinks)
             check_same_vocabulary(self, draft)
             draft.outputs.tokenizer = None  # its copies' tokens are never read as text
-            return DraftProposer(draft)
+            return DraftProposer(draft, self.runner.sampler.key)
         return None
 
     def _propose(self) -> None:
@@ -301,8 +301,8 @@ class LLMEngine:
                       output_logprobs=list(handover.output_logprobs), num_external_tokens=handover.num_tokens)
         self.scheduler.add_request(req)
         self.outputs.add(req, handover.prompt)
-        if handover.generator_state is not None:
-            self.runner.sampler.adopt(req.request_id, handover.generator_state)
+        if handover.sampling_key is not None:
+            self.runner.sampler.adopt(req.request_id, handover.sampling_key)
         status = req.check_stop(self.max_seq_len)
         if status is not None or not handover.num_tokens:  # its first token ended it
             self.scheduler.finish_request(req.request_id, status or RequestStatus.FINISHED_STOPPED)

@@ -1,8 +1,11 @@
 """Sampling: logits [N, vocab] of the rows that sample -> token ids, one request per row.
 
 Greedy rows take the argmax; the others go through penalties, temperature, top-k, top-p and
-min-p (vectorized), then draw from their own torch.Generator so a seed reproduces whatever
-else is in the batch.
+min-p (vectorized), then draw with random numbers that depend only on the request's key (its
+seed) and the output position of the token being drawn (`draw_seed`). Nothing advances from
+one call to the next, so a seed reproduces its tokens whatever else is in the batch, however
+many guesses were checked and rejected, and however often the request was preempted and its
+step drawn again.
 """
 
 from __future__ import annotations
@@ -98,59 +101,96 @@ def _top_k_top_p(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torc
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+MASK64 = (1 << 64) - 1
+GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # splitmix64's increment: odd, so positions never collide
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finalizer: a bijection of 64-bit integers in which every input bit moves
+    every output bit."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def draw_seed(key: int, position: int) -> int:
+    """The seed of the random numbers that choose a request's token at an output position: a
+    function of (key, position) only, the same on every run, in every batch, before or after a
+    preemption; e.g. draw_seed(42, 0) == 10996452266160306281, draw_seed(42, 1) ==
+    2958219263312191191. Any int is a key (a negative or huge seed is taken modulo 2**64)."""
+    return _mix64((_mix64(key & MASK64) + (position + 1) * GOLDEN_GAMMA) & MASK64)
+
+
+def draw(probs: torch.Tensor, num: int, seed: int, generator: torch.Generator) -> list[int]:
+    """num tokens from probs [vocab] (non-negative, any total) with the random numbers of one
+    seed: each is the winner of an exponential race, argmax(p / E) with E ~ Exp(1) drawn per
+    token, which picks token i with probability p_i / sum(p) (Gumbel-max written without logs).
+    Whoever draws with the same seed over the same vocabulary races the same E, so a draft
+    model's guess and the target's token agree as often as their distributions allow."""
+    generator.manual_seed(seed)
+    noise = torch.empty((num, probs.shape[-1]), device=probs.device).exponential_(generator=generator)
+    # an E of exactly 0 (possible in fp32) would make 0 / 0 = NaN, which argmax would pick
+    return (probs / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1).tolist()
+
+
 class Sampler:
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self.generators: dict[str, torch.Generator] = {}
+        self.keys: dict[str, int] = {}  # request -> the key of its random numbers (`draw_seed`)
         self.histories: dict[str, TokenHistory] = {}
         self._num_unseeded = 0
+        self._generators: dict[torch.device, torch.Generator] = {}  # reseeded before every draw
         self.structured: Optional[Any] = None  # StructuredOutputs, where the model's tokenizer can drive one
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
-            self.generators.pop(rid, None)
+            self.keys.pop(rid, None)
             self.histories.pop(rid, None)
         if self.structured is not None:
             self.structured.forget(request_ids)
 
-    def adopt(self, request_id: str, state: torch.Tensor) -> None:
-        """Continue a request's random draws from a state saved elsewhere (another engine drew
-        its first token)."""
-        g = torch.Generator()
-        g.set_state(state)
-        self.generators[request_id] = g
+    def adopt(self, request_id: str, key: int) -> None:
+        """Draw a request's tokens with a key given elsewhere (another engine drew its first
+        token; a draft draws its guesses with its target's key)."""
+        self.keys[request_id] = key
 
-    def state(self, request_id: str) -> Optional[torch.Tensor]:
-        """The request's random state (None: it has no generator of its own yet)."""
-        g = self.generators.get(request_id)
-        return None if g is None else g.get_state()
+    def key(self, request_id: str) -> Optional[int]:
+        """The key of the request's random numbers (None: it has drawn nothing yet)."""
+        return self.keys.get(request_id)
 
-    def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[torch.Tensor]], int, Any]:
-        """The random (and grammar) state of these requests, to draw their step again (`restore`)."""
-        states = {rid: (g.get_state() if (g := self.generators.get(rid)) is not None else None) for rid in request_ids}
-        return states, self._num_unseeded, self.structured.save(request_ids) if self.structured else None
+    def save(self, request_ids: Sequence[str]) -> tuple[dict[str, Optional[int]], int, Any]:
+        """The keys given (and grammar state) of these requests, to draw their step again
+        (`restore`): an unseeded request keeps the key of its arrival, not of a retry."""
+        keys = {rid: self.keys.get(rid) for rid in request_ids}
+        return keys, self._num_unseeded, self.structured.save(request_ids) if self.structured else None
 
-    def restore(self, saved: tuple[dict[str, Optional[torch.Tensor]], int, Any]) -> None:
-        states, self._num_unseeded, matchers = saved
+    def restore(self, saved: tuple[dict[str, Optional[int]], int, Any]) -> None:
+        keys, self._num_unseeded, matchers = saved
         if self.structured is not None:
             self.structured.restore(matchers)
-        for rid, state in states.items():
-            if state is None:
-                self.generators.pop(rid, None)
+        for rid, key in keys.items():
+            if key is None:
+                self.keys.pop(rid, None)
             else:
-                self.generators[rid].set_state(state)
+                self.keys[rid] = key
 
-    def _generator(self, seq: ScheduledSequence, device: torch.device) -> torch.Generator:
-        g = self.generators.get(seq.request_id)
-        if g is None:
-            g = torch.Generator(device=device)
+    def _key(self, seq: ScheduledSequence) -> int:
+        key = self.keys.get(seq.request_id)
+        if key is None:
             if seq.seed is not None:
-                g.manual_seed(seq.seed)
+                key = seq.seed
             else:  # reproducible from the engine seed and arrival order
-                g.manual_seed(self.seed * 1_000_003 + self._num_unseeded)
+                key = self.seed * 1_000_003 + self._num_unseeded
                 self._num_unseeded += 1
-            self.generators[seq.request_id] = g
-        return g
+            self.keys[seq.request_id] = key
+        return key
+
+    def _draw(self, probs: torch.Tensor, seq: ScheduledSequence, position: int, num: int) -> list[int]:
+        """num tokens for the request's output position `position` from probs [vocab]."""
+        g = self._generators.get(probs.device)
+        if g is None:
+            g = self._generators[probs.device] = torch.Generator(device=probs.device)
+        return draw(probs, num, draw_seed(self._key(seq), position), g)
 
     def _history(self, seq: ScheduledSequence, logits: torch.Tensor) -> TokenHistory:
         h = self.histories.get(seq.request_id)
@@ -161,7 +201,8 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
                  ) -> tuple[list[list[int]], list[Optional[list[dict[int, float]]]]]:
-        """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence."""
+        """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence, each
+        for the sequence's next output position (n > 1: the n samples of the fork point)."""
         raw = logits
         if self.structured is not None:
             logits = self.structured.mask(logits, seqs)
@@ -181,9 +222,8 @@ class Sampler:
         if rand:
             probs = filter_logits(logits[rand], [seqs[i].sampling_params for i in rand]).softmax(-1)
             for row, i in enumerate(rand):
-                g = self._generator(seqs[i], probs.device)
-                tokens[i] = torch.multinomial(probs[row], seqs[i].num_samples, replacement=True,
-                                              generator=g).tolist()
+                s = seqs[i]
+                tokens[i] = self._draw(probs[row], s, len(s.output_token_ids), s.num_samples)
         if self.structured is not None:
             self.structured.accept(seqs, tokens)
         return tokens, [_logprobs(raw[i], tokens[i], s.sampling_params.logprobs)
@@ -194,12 +234,17 @@ class Sampler:
         """rows [k + 1, vocab]: the logits after the last input and after each of the k proposals.
         Returns the accepted proposals and one more token (a correction, or after all k a bonus).
 
-        Greedy: a proposal is accepted while it is the argmax, so the output is exactly what
-        plain greedy decoding gives. Sampling (speculative sampling): proposal d, drawn by the
-        proposer from q, is accepted with probability min(1, p(d) / q(d)); on rejection the token
-        is drawn from normalize(max(0, p - q)); after k acceptances one more comes from p. Every
-        emitted token is then distributed exactly as p. q is the draft's distribution
-        (seq.spec_probs), or for proposals that are point guesses (n-gram lookup) 1 on d."""
+        Row i settles output position start + i exactly as a plain step would: greedy takes the
+        argmax, sampling draws with that position's random numbers (`draw_seed`). A proposal is
+        accepted while it equals the row's token; the first row whose token differs gives the
+        correction. So guesses decide how many positions a step settles, never which tokens:
+        the output is plain decoding's, token for token, greedy or seeded, and a position
+        settled again after a preemption (by a plain step, or with other guesses) gets the same
+        token. (Rejection sampling, accepting d with min(1, p(d) / q(d)), accepts more often
+        for a draft that differs from the target, but its tokens depend on the guesses, so a
+        request's samples would change with batching and preemption.) The draft proposer draws
+        its guesses with the target's key and positions, so it races the same random numbers and
+        guesses what the target draws wherever their distributions agree."""
         params, spec = seq.sampling_params, seq.spec_token_ids
         filtered = rows.clone()
         if params.has_penalties:
@@ -211,25 +256,19 @@ class Sampler:
             n = next((i for i, (d, t) in enumerate(zip(spec, targets)) if d != t), len(spec))
             tokens = spec[:n] + [targets[n]]
         else:
-            tokens = self._rejection_sample(filter_logits(filtered, [params] * len(rows)).softmax(-1), seq)
+            tokens = self._settle(filter_logits(filtered, [params] * len(rows)).softmax(-1), seq)
         lps = [_logprobs(rows[i], [t], params.logprobs) for i, t in enumerate(tokens)]
         return tokens, None if params.logprobs is None else [lp[0] for lp in lps if lp is not None]
 
-    def _rejection_sample(self, probs: torch.Tensor, seq: ScheduledSequence) -> list[int]:
-        g = self._generator(seq, probs.device)
-        spec, q = seq.spec_token_ids, seq.spec_probs
-        for i, d in enumerate(spec):
-            q_d = 1.0 if q is None else float(q[i, d])
-            if q_d <= 0 or torch.rand((), generator=g, device=probs.device).item() * q_d < probs[i, d].item():
-                continue  # (q never proposes what it gives no mass; if it did, p / q is infinite)
-            residual = probs[i].clone()
-            if q is None:
-                residual[d] = 0
-            else:
-                residual = (residual - q[i].to(residual.device)).clamp_min_(0)
-            if residual.sum() > 0:  # else p <= q nowhere exceeds: d stays accepted
-                return spec[:i] + [int(torch.multinomial(residual, 1, generator=g))]
-        return spec + [int(torch.multinomial(probs[len(spec)], 1, generator=g))]
+    def _settle(self, probs: torch.Tensor, seq: ScheduledSequence) -> list[int]:
+        """probs [k + 1, vocab] -> each row's own draw, up to the first that is not the guess."""
+        start, spec = len(seq.output_token_ids), seq.spec_token_ids
+        tokens: list[int] = []
+        for i in range(len(spec) + 1):
+            tokens += self._draw(probs[i], seq, start + i, 1)
+            if i == len(spec) or tokens[i] != spec[i]:
+                break
+        return tokens
 
 
 def _logprobs(row: torch.Tensor, chosen: list[int], k: Optional[int]) -> Optional[list[dict[int, float]]]:

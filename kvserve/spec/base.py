@@ -10,8 +10,9 @@ from kvserve.core.request import Request
 
 class Proposer(ABC):
     """Guesses up to k next tokens for each decoding request it is given, by setting
-    request.spec_token_ids (and request.spec_probs, [k, vocab], where the guesses were drawn
-    from a distribution; None for point guesses). A request may get fewer guesses, or none."""
+    request.spec_token_ids (request.spec_probs stays None: the target keeps a guess only where it
+    is the token it draws itself, so how a guess was made does not matter). A request may get
+    fewer guesses, or none."""
 
     name: str
 

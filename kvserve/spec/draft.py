@@ -9,20 +9,20 @@ target kept (Scheduler.rollback: computed tokens down, trailing blocks freed), a
     draft rolls back    t0 .. tn d1 .. da, appends b, and proposes again
 
 A greedy request gets greedy guesses; a sampled one gets guesses drawn from the draft's own
-distribution after the request's temperature and top-k/top-p/min-p, which travel with them
-(request.spec_probs) so the target can accept each with min(1, p / q). Requests with penalties
-are not guessed for (their distribution depends on the guesses themselves).
+distribution after the request's temperature and top-k/top-p/min-p, with the random numbers the
+target draws that position with (the copy adopts the target's key, and the copy's output
+positions are the target's): where the two distributions agree the draft guesses exactly the
+target's token, and the target keeps a guess only when it is its own draw (Sampler.verify).
+Requests with penalties are not guessed for (their distribution depends on the guesses
+themselves).
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
-import torch
+from typing import Any, Callable, Optional, Sequence
 
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.runner.sampler import filter_logits
 from kvserve.spec.base import Proposer
 
 VOCAB_PROBE = "The quick brown fox jumps over the lazy dog. 0123456789 élan café naïve 🙂"
@@ -43,11 +43,10 @@ def check_same_vocabulary(target: Any, draft: Any) -> None:
 class DraftProposer(Proposer):
     name = "draft"
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, target_key: Callable[[str], Optional[int]]) -> None:
         self.engine = engine  # an LLMEngine over the draft model
+        self.target_key = target_key  # request -> the key its target draws with (Sampler.key)
         self.synced: dict[str, int] = {}  # request -> the target's length at the last proposal
-        self._rows: dict[str, list[torch.Tensor]] = {}
-        engine.runner.logits_hook = self._keep_rows
 
     def propose(self, requests: Sequence[Request], k: int) -> None:
         scheduler = self.engine.scheduler
@@ -56,17 +55,13 @@ class DraftProposer(Proposer):
             self.engine.abort(rid)
             self.synced.pop(rid, None)
         start = {rid: self._sync(req, k) for rid, req in wanted.items()}
-        self._rows = {rid: [] for rid in wanted}
         while any(self._num_new(rid, start[rid]) < k for rid in wanted if rid in scheduler.requests):
             self.engine.step()
         for rid, req in wanted.items():
             copy = scheduler.requests.get(rid)
-            if copy is None:  # the draft could not hold it (its cache is too small): no guess
-                req.spec_token_ids, req.spec_probs = [], None
-                continue
-            req.spec_token_ids = copy.all_token_ids[start[rid]:start[rid] + k]
-            rows = self._rows[rid][:len(req.spec_token_ids)]
-            req.spec_probs = None if req.sampling_params.is_greedy or not rows else torch.stack(rows)
+            # no copy: the draft could not hold it (its cache is too small), no guess
+            req.spec_token_ids = [] if copy is None else copy.all_token_ids[start[rid]:start[rid] + k]
+            req.spec_probs = None  # the target keeps a guess only where it is its own draw
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
@@ -97,6 +92,9 @@ class DraftProposer(Proposer):
         params = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                                 seed=p.seed, max_tokens=p.max_tokens + k, ignore_eos=True)
         self.engine.add_request(req.request_id, req.prompt_token_ids, params)
+        key = self.target_key(req.request_id)
+        if key is not None:  # the copy races the target's random numbers
+            self.engine.runner.sampler.adopt(req.request_id, key)
         copy = self.engine.scheduler.requests[req.request_id]
         if req.output_token_ids:
             self.engine.scheduler.extend(copy, list(req.output_token_ids))
@@ -104,11 +102,3 @@ class DraftProposer(Proposer):
     def _num_new(self, rid: str, start: int) -> int:
         copy = self.engine.scheduler.requests.get(rid)
         return 0 if copy is None else copy.num_tokens - start
-
-    def _keep_rows(self, request_ids: list[str], logits: torch.Tensor) -> None:
-        """The draft's distribution for each token it draws (q), as its sampler draws from it."""
-        for rid, row in zip(request_ids, logits):
-            rows = self._rows.get(rid)
-            copy = self.engine.scheduler.requests.get(rid)
-            if rows is not None and copy is not None and not copy.sampling_params.is_greedy:
-                rows.append(filter_logits(row.unsqueeze(0).clone(), [copy.sampling_params]).softmax(-1)[0])

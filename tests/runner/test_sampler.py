@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from kvserve.core.outputs import ScheduledSequence
-from kvserve.runner.sampler import Sampler, TokenHistory, apply_penalties, filter_logits
+from kvserve.runner.sampler import Sampler, TokenHistory, apply_penalties, draw_seed, filter_logits
 from kvserve.core.sampling_params import SamplingParams
 from tests.conftest import make_llm
 
@@ -79,6 +79,37 @@ def test_fixed_seed_reproduces_whatever_the_batch():
     c, _ = Sampler(0)(logits[:1], [seq("a", SamplingParams(temperature=0.9, top_p=0.9, seed=43), n=4)])
     d, _ = Sampler(0)(logits[:1], [seq("a", SamplingParams(temperature=0.9, top_p=0.9, seed=44), n=4)])
     assert len({tuple(a[0]), tuple(c[0]), tuple(d[0])}) > 1
+
+
+def test_a_seeded_draw_depends_only_on_the_seed_and_the_position():
+    """Whatever was drawn before (other positions, guesses checked and rejected, a step drawn
+    again after preemption), a seeded request's token at an output position is the same."""
+    torch.manual_seed(0)
+    rows = torch.randn(3, 50)
+    p = SamplingParams(temperature=0.9, seed=42)
+    at = lambda sampler, position, row: sampler(rows[row:row + 1], [seq("a", p, output=[7] * position)])[0][0][0]
+    fresh = [at(Sampler(0), position, position) for position in range(3)]
+    busy = Sampler(1)
+    busy.verify(rows, seq("a", p, output=[7], spec=[(fresh[1] + 1) % 50, 3]))  # a rejected guess
+    at(busy, 2, 2)
+    at(busy, 0, 0)
+    assert [at(busy, position, position) for position in (2, 1, 0)] == fresh[::-1]
+    # golden: changing the derivation changes every seeded request's tokens
+    assert (draw_seed(42, 0), draw_seed(42, 1), draw_seed(-1, 0) == draw_seed(2**64 - 1, 0)) == (
+        10996452266160306281, 2958219263312191191, True)
+
+
+def test_verifying_guesses_emits_the_tokens_plain_sampling_draws():
+    """A guess is accepted exactly when it is the token the position draws; the first that is
+    not is replaced by that token, so guesses change how many positions a step settles, never
+    which tokens."""
+    torch.manual_seed(1)
+    rows = torch.randn(3, 50)
+    p = SamplingParams(temperature=0.9, seed=7)
+    plain = [Sampler(0)(rows[i:i + 1], [seq("a", p, output=[1] * (2 + i))])[0][0][0] for i in range(3)]
+    good = Sampler(0).verify(rows, seq("a", p, output=[1, 1], spec=plain[:2]))[0]
+    bad = Sampler(0).verify(rows, seq("a", p, output=[1, 1], spec=[plain[0], (plain[1] + 1) % 50]))[0]
+    assert good == plain and bad == plain[:2]
 
 
 def test_logprobs_are_log_softmax_of_raw_logits():
