@@ -3,7 +3,8 @@ byte-level BPE vocabulary stored in a GGUF file's metadata."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import functools
+from typing import Any, Optional, Sequence
 
 from kvserve.tokenizer.base import Tokenizer
 
@@ -38,6 +39,21 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+
+    def encode_plain(self, text: str) -> list[int]:
+        return list(self._plain.encode(text, add_special_tokens=False).ids)
+
+    @functools.cached_property
+    def _plain(self) -> Any:
+        """A copy of the tokenizer that reads special tokens' text as text (encode_special_tokens
+        is a setting of the whole object, and other threads encode with this one meanwhile)."""
+        plain = type(self.tok).from_str(self.tok.to_str())
+        plain.encode_special_tokens = True
+        return plain
 
 
 def from_tokenizer_json(path: str, bos_token_id: Optional[int], eos_token_ids: Sequence[int],
