@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
-from kvserve.core.block_math import block_offset, num_blocks_for
+from kvserve.core.block_math import block_offset, num_blocks_for, num_full_blocks
 from kvserve.core.block_pool import BlockPool
 
 
@@ -53,6 +53,12 @@ class CacheGroupSpec:
             return n
         span = num_blocks_for(self.recent + step_tokens - 2, block_size) + 1
         return min(n, num_blocks_for(self.sinks, block_size) + span)
+
+    def num_shared_blocks(self, num_prompt_tokens: int, block_size: int) -> int:
+        """Blocks every sequence forked from one prompt holds in common however long they grow:
+        the prompt's full blocks under full attention (a fork shares them); none in a window,
+        which passes them by."""
+        return num_full_blocks(num_prompt_tokens, block_size) if self.recent is None else 0
 
 
 class CacheGroup:

@@ -108,6 +108,44 @@ class KVCacheManager:
         step = self.step_tokens if step_tokens is None else step_tokens
         return sum(g.max_blocks_held(num_tokens, step) for g in self.groups)
 
+    def group_blocks_needed(self, num_prompt_tokens: int, num_tokens: int, width: int,
+                            step_tokens: Optional[int] = None) -> int:
+        """Pool blocks a group of `width` sequences forked from one prompt (n samples, beams)
+        holds at most when each grows to num_tokens: every member's own blocks, and the
+        prompt's full blocks they share once. With block size 16, one full-attention group:
+
+            prompt 40, 100 tokens, width 4:  7 blocks each, 2 shared:  2 + 4 * 5 == 22
+        """
+        per_sequence = self.blocks_needed(num_tokens, step_tokens)
+        shared = sum(g.spec.num_shared_blocks(num_prompt_tokens, self.block_size) for g in self.groups)
+        return shared + width * (per_sequence - shared)
+
+    @property
+    def has_window(self) -> bool:
+        """Whether a step of fewer tokens holds fewer blocks (a window group gives back what its
+        window passed once the step is done); under full attention every block stays anyway."""
+        return any(g.spec.recent is not None for g in self.groups)
+
+    def blocks_to_allocate(self, request: Request, num_new_tokens: int,
+                           cached_blocks: Optional[Sequence[list[int]]] = None) -> int:
+        """Pool blocks allocate_slots takes for these tokens now: new blocks, copies on write,
+        and cached hits taken out of the evictable queue. Changes nothing."""
+        rid = request.request_id
+        cached = cached_blocks or [[] for _ in self.groups]
+        num_computed = request.num_computed_tokens + len(cached[0]) * self.block_size
+        total = num_computed + num_new_tokens
+        needed = 0
+        for g, blocks in zip(self.groups, cached):
+            needed += max(num_blocks_for(total, self.block_size) - len(g.table(rid)) - len(blocks), 0)
+            needed += g.needs_copy_on_write(rid, num_computed, num_new_tokens)
+            needed += sum(1 for b in blocks if b != self.pool.null_block_id and self.pool.is_evictable(b))
+        return needed
+
+    def blocks_to_swap_in(self, request: Request, num_new_tokens: int) -> int:
+        """Pool blocks swap_in asks to be free for a swapped request and num_new_tokens more."""
+        held = sum(len(b) for b in self.swapped_blocks.get(request.request_id, []))
+        return held + self.num_groups * num_blocks_for(num_new_tokens + self.block_size, self.block_size)
+
     def find_cached_prefix(self, request: Request, use_cache: bool = True) -> tuple[list[list[int]], int]:
         """The longest cached prefix of the request's tokens, as each group's first table entries,
         and the tokens it covers. Full-attention groups need every block of it cached; a
@@ -161,12 +199,7 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(cached[0]) * self.block_size
         total = num_computed + num_new_tokens
         self.remove_skipped_blocks(request)  # what no later query reads goes back first
-        needed = 0
-        for g, blocks in zip(self.groups, cached):
-            needed += max(num_blocks_for(total, self.block_size) - len(g.table(rid)) - len(blocks), 0)
-            needed += g.needs_copy_on_write(rid, num_computed, num_new_tokens)
-            needed += sum(1 for b in blocks if b != self.pool.null_block_id and self.pool.is_evictable(b))
-        if not self.pool.can_take(needed):
+        if not self.pool.can_take(self.blocks_to_allocate(request, num_new_tokens, cached_blocks)):
             return False
         for g, blocks in zip(self.groups, cached):
             if blocks:
@@ -178,6 +211,30 @@ class KVCacheManager:
             self._num_hashed_blocks[rid] = len(cached[0])
         self._cache_full_blocks(request, min(total, request.num_tokens))
         return True
+
+    def allocate_fitting(self, request: Request, num_new_tokens: int,
+                         cached_blocks: Optional[Sequence[list[int]]] = None) -> int:
+        """allocate_slots for as many of num_new_tokens as the pool can hold now: all of them, or
+        where a window makes a shorter step hold fewer blocks, the most that fit (a long prompt
+        goes through a small pool in chunks); returns how many (0: none, nothing changed).
+
+            window 64 with 4 sinks, block size 16, a 1700-token prompt, 100 free blocks:
+            all 1700 would take 107; the first 1600 take 100, after which the window gives
+            back 95 of them (it keeps the sinks' block and the last 4) for the other 100
+        """
+        if self.allocate_slots(request, num_new_tokens, cached_blocks):
+            return num_new_tokens
+        if not self.has_window:
+            return 0
+        self.remove_skipped_blocks(request)
+        fits, too_many = 0, num_new_tokens  # the largest count that fits lies in [fits, too_many)
+        while too_many - fits > 1:
+            mid = (fits + too_many) // 2
+            if self.pool.can_take(self.blocks_to_allocate(request, mid, cached_blocks)):
+                fits = mid
+            else:
+                too_many = mid
+        return fits if fits and self.allocate_slots(request, fits, cached_blocks) else 0
 
     def holds_window_of(self, request: Request, num_tokens: int) -> bool:
         """Whether every block the query at position num_tokens reads is still held (a rollback
@@ -261,9 +318,7 @@ class KVCacheManager:
         nothing, when the pool cannot hold it."""
         rid = request.request_id
         swapped = self.swapped_blocks.get(rid, [[] for _ in self.groups])
-        total = sum(len(b) for b in swapped) + self.num_groups * num_blocks_for(num_new_tokens + self.block_size,
-                                                                                self.block_size)
-        if not self.pool.can_take(max(total, sum(map(len, swapped)))):
+        if not self.pool.can_take(self.blocks_to_swap_in(request, num_new_tokens)):
             return False
         assert self.cpu_pool is not None
         for g, cpu_blocks, held in zip(self.groups, swapped, self._swapped_len.pop(rid)):

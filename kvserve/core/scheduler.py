@@ -5,6 +5,10 @@ has tokens not yet computed. Running requests are served first (in policy order)
 min(tokens left, budget left, prefill chunk) tokens, plus any proposed tokens to verify; then
 waiting requests are admitted while seats, budget and blocks allow. When blocks run out, the
 policy's worst running request is preempted (recomputed later or swapped to the CPU pool).
+The beams of one request are a gang: beam search advances them only together, so they are
+scheduled, preempted and admitted together, and admitted only when the group's worst case fits
+the free pool. Where a window lets a shorter chunk hold fewer blocks, a prompt takes the chunk
+that fits.
 
 Besides the step (`schedule`, `update`) it has the verbs that change a request's shape between
 steps: `fork` (new members of its group sharing its blocks) and `rollback` (take back computed
@@ -25,8 +29,29 @@ from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
 from kvserve.core.request import Request, RequestGroup, RequestStatus
+from kvserve.core.sampling_params import SamplingParams
 
 PolicyKey = tuple[int, float, int]
+
+
+def runs_as_gang(req: Request) -> bool:
+    """Whether req's group must run whole in every step: beam search picks the next beams from
+    all their rows at once (n samples go their own ways)."""
+    return req.sampling_params.use_beam_search
+
+
+def gang_of(req: Request) -> list[Request]:
+    """The requests that run in the same step as req: every unfinished beam of its group, or
+    req alone."""
+    if not runs_as_gang(req):
+        return [req]
+    assert req.group is not None
+    return [m for m in req.group.members if not m.is_finished]
+
+
+def group_width(params: SamplingParams) -> int:
+    """Sequences one request may run at once: its n samples, or its beams."""
+    return max(params.n, params.beam_width or 0)
 
 
 class Scheduler:
@@ -47,6 +72,7 @@ class Scheduler:
         # whole until the next step runs): what a prefill engine hands over is read here
         self.before_free: Optional[Callable[[Request], None]] = None
         self._step_preemptions = 0
+        self._failed: list[Request] = []  # ended with an error inside the scheduler, for the engine to report
         self.key: Callable[[Request], PolicyKey] = (
             self._priority_key if config.policy == "priority" else self._fcfs_key)
 
@@ -162,18 +188,17 @@ class Scheduler:
         self._preempt_for_priority()  # deliberate: the seat goes to the waiting request now
         num_priority_preemptions = self._step_preemptions
         # Decodes first, then prefill chunks, each in policy order: a long prompt never
-        # stalls the running decodes behind it.
+        # stalls the running decodes behind it. A gang (a group's beams) goes at its best place.
+        seen: set[str] = set()
         for req in sorted(self.running, key=lambda r: (r.num_tokens - r.num_computed_tokens > 1,
                                                        self.key(r))):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING:
-                continue  # preempted to make room for an earlier one
-            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-            num_spec = self._num_spec_tokens(req, budget - num_new)
-            if self._allocate_or_preempt(req, num_new + num_spec, scheduled):
-                scheduled.append(self._scheduled(req, num_new, num_spec))
-                budget -= num_new + num_spec
+            if req.status != RequestStatus.RUNNING or req.request_id in seen:
+                continue  # preempted to make room for an earlier one, or scheduled with its gang
+            gang = gang_of(req)
+            seen.update(m.request_id for m in gang)
+            budget -= self._schedule_running(gang, budget, scheduled)
         if self._step_preemptions == num_priority_preemptions:  # admitting while short of blocks would thrash
             self._admit(scheduled, budget)
         finished, self._finished_ids = self._finished_ids, []
@@ -265,46 +290,123 @@ class Scheduler:
                    req.sampling_params.max_tokens - req.num_output_tokens - 1)
         return max(min(len(req.spec_token_ids), room), 0)
 
-    def _allocate_or_preempt(self, req: Request, num_new: int,
-                             scheduled: list[ScheduledSequence]) -> bool:
-        """Allocate for req, preempting the worst running requests not yet scheduled this step
-        until it fits. False if req itself had to go."""
+    def _schedule_running(self, gang: list[Request], budget: int, scheduled: list[ScheduledSequence]) -> int:
+        """Schedule a running gang's next tokens (a lone request's, or every beam of a group,
+        which share the budget); returns the tokens it takes. A gang runs whole or not at all:
+        one with a member out of the batch goes back to wait for it."""
+        if any(m.status != RequestStatus.RUNNING for m in gang):
+            self._preempt(gang[0])
+            return 0
+        share = budget // len(gang)
+        sizes = [self._num_new_tokens(m, m.num_computed_tokens, share) for m in gang]
+        specs = [self._num_spec_tokens(m, share - n) for m, n in zip(gang, sizes)]
+        if not all(sizes):
+            return 0  # no budget left for every beam: they wait together
+        sizes = self._allocate_or_preempt(gang, sizes, specs, scheduled)
+        for m, num_new, num_spec in zip(gang, sizes, specs):
+            scheduled.append(self._scheduled(m, num_new, num_spec))
+        return sum(sizes) + sum(specs) if sizes else 0
+
+    def _allocate_or_preempt(self, gang: list[Request], sizes: list[int], specs: list[int],
+                             scheduled: list[ScheduledSequence]) -> list[int]:
+        """Allocate for the gang, preempting the worst running gangs not yet scheduled this step
+        until it fits; returns the new tokens each member computes ([]: the gang had to go)."""
         taken = {s.request_id for s in scheduled}
-        while not self.kv.allocate_slots(req, num_new):
+        while not (allocated := self._allocate(gang, sizes, specs)):
             victim = max((r for r in self.running if r.request_id not in taken), key=self.key)
-            if victim is req and len(self.running) == 1:
-                self._fail(req, "the KV cache is too small to hold this sequence alone")
-                return False
+            if victim in gang and len(self.running) == len(gang):
+                why = "this sequence" if len(gang) == 1 else f"the {len(gang)} beams of this request"
+                for member in gang:
+                    self._fail(member, f"the KV cache is too small to hold {why} alone")
+                return []
             self._preempt(victim)
-            if victim is req:
-                return False
-        return True
+            if victim in gang:
+                return []
+        return allocated
+
+    def _allocate(self, gang: list[Request], sizes: list[int], specs: list[int]) -> list[int]:
+        """Blocks for every member's tokens, or none ([]); a lone prefill chunk may shrink to
+        what fits where that holds fewer blocks (a window), proposals to verify never do."""
+        if len(gang) == 1 and not specs[0]:
+            fitted = self.kv.allocate_fitting(gang[0], sizes[0])
+            return [fitted] if fitted else []
+        need = sum(self.kv.blocks_to_allocate(m, n + k) for m, n, k in zip(gang, sizes, specs))
+        if not self.kv.pool.can_take(need):
+            return []
+        for m, n, k in zip(gang, sizes, specs):
+            allocated = self.kv.allocate_slots(m, n + k)
+            assert allocated, m.request_id
+        return sizes
 
     def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        """Waiting requests in policy order, while seats, budget and blocks allow; a gang is
+        admitted whole, and only when its group's worst case fits the free pool."""
+        while self.waiting and budget > 0:
             req = self.waiting[0]
-            if req.status == RequestStatus.SWAPPED:
-                num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
-                if not self.kv.swap_in(req, num_new):
-                    break
-            elif req.num_external_tokens:
-                admitted = self._admit_external(req, budget)
-                if admitted is None:
-                    break
-                num_new = admitted
-            else:
-                # a request scoring its prompt computes every prompt token: cached blocks have no logits
-                scoring = req.sampling_params.prompt_logprobs is not None
-                cached_blocks, num_cached = self.kv.find_cached_prefix(req, use_cache=not scoring)
-                num_new = self._num_new_tokens(req, num_cached, budget)
-                if not self.kv.allocate_slots(req, num_new, cached_blocks):
-                    break
-                self._record_admission(req, num_cached)
-            self.waiting.pop(0)
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            scheduled.append(self._scheduled(req, num_new, 0))
-            budget -= num_new
+            gang = [m for m in gang_of(req) if m.status != RequestStatus.RUNNING]
+            if len(self.running) + len(gang) > self.config.max_num_seqs:
+                break
+            admit = self._admit_gang if runs_as_gang(req) else self._admit_one
+            taken = admit(gang, budget, scheduled)
+            if taken is None:
+                break
+            budget -= taken
+
+    def _admit_gang(self, gang: list[Request], budget: int,
+                    scheduled: list[ScheduledSequence]) -> Optional[int]:
+        """Every waiting beam of a group, each with an equal share of the budget, or none (None)."""
+        share = budget // len(gang)
+        need = max(self.worst_case_blocks(gang[0]), sum(self._admission_need(m, share) for m in gang))
+        if not share or not self.kv.pool.can_take(need):
+            return None
+        taken = [self._admit_one([m], share, scheduled) for m in gang]
+        assert None not in taken, "a gang's blocks were counted before it was admitted"
+        return sum(t or 0 for t in taken)
+
+    def _admission_need(self, req: Request, budget: int) -> int:
+        """Pool blocks admitting req with this budget takes (changes nothing but its hashes)."""
+        if req.status == RequestStatus.SWAPPED:
+            return self.kv.blocks_to_swap_in(req, self._num_new_tokens(req, req.num_computed_tokens, budget))
+        cached_blocks, num_cached = self._cached_prefix(req)
+        return self.kv.blocks_to_allocate(req, self._num_new_tokens(req, num_cached, budget), cached_blocks)
+
+    def worst_case_blocks(self, req: Request) -> int:
+        """The most blocks req's group holds at once: every sequence it may run grown to its
+        longest (a decode step each, as a window would hold them)."""
+        params = req.sampling_params
+        longest = min(req.num_prompt_tokens + params.max_tokens, self.max_model_len)
+        return self.kv.group_blocks_needed(req.num_prompt_tokens, longest, group_width(params), 1)
+
+    def _admit_one(self, gang: list[Request], budget: int,
+                   scheduled: list[ScheduledSequence]) -> Optional[int]:
+        """Admit a lone waiting request with its first tokens; returns how many (None: the pool is
+        short, nothing changed)."""
+        (req,) = gang
+        if req.status == RequestStatus.SWAPPED:
+            num_new = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            if not self.kv.swap_in(req, num_new):
+                return None
+        elif req.num_external_tokens:
+            admitted = self._admit_external(req, budget)
+            if admitted is None:
+                return None
+            num_new = admitted
+        else:
+            cached_blocks, num_cached = self._cached_prefix(req)
+            num_new = self._num_new_tokens(req, num_cached, budget)
+            num_new = self.kv.allocate_fitting(req, num_new, cached_blocks)
+            if not num_new:
+                return None
+            self._record_admission(req, num_cached)
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        scheduled.append(self._scheduled(req, num_new, 0))
+        return num_new
+
+    def _cached_prefix(self, req: Request) -> tuple[list[list[int]], int]:
+        # a request scoring its prompt computes every prompt token: cached blocks have no logits
+        return self.kv.find_cached_prefix(req, use_cache=req.sampling_params.prompt_logprobs is None)
 
     def _admit_external(self, req: Request, budget: int) -> Optional[int]:
         """Blocks for the K/V another engine computed and for this step's tokens after it; the
@@ -342,13 +444,21 @@ class Scheduler:
             self._preempt(worst)
 
     def _preempt(self, victim: Request) -> None:
-        """Take the victim out of the running batch and queue it to resume."""
+        """Take the victim's gang (itself, or every running beam of its group) out of the
+        running batch and queue it to resume. Beams are computed again, never swapped: swapped
+        one by one, the blocks they share would come back as a copy each."""
+        swap = self.config.preemption_mode == "swap" and not runs_as_gang(victim)
+        for member in gang_of(victim):
+            if member.status == RequestStatus.RUNNING:
+                self._preempt_one(member, swap)
+
+    def _preempt_one(self, victim: Request, swap: bool) -> None:
         self.running.remove(victim)
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self._step_preemptions += 1
         victim.spec_token_ids, victim.spec_probs = [], None
-        if self.config.preemption_mode == "swap" and self.kv.swap_out(victim):
+        if swap and self.kv.swap_out(victim):
             victim.status = RequestStatus.SWAPPED
         else:  # recompute: blocks go back with their hashes, so re-prefill can hit them
             self.kv.free(victim)
@@ -359,6 +469,12 @@ class Scheduler:
     def _fail(self, req: Request, message: str) -> None:
         req.error = message
         self.finish_request(req.request_id, RequestStatus.FINISHED_ERROR)
+        self._failed.append(req)
+
+    def take_failed(self) -> list[Request]:
+        """The requests the scheduler ended with an error since the last call (req.error says why)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def _scheduled(self, req: Request, num_new: int, num_spec: int) -> ScheduledSequence:
         start = req.num_computed_tokens

@@ -18,11 +18,12 @@ from kvserve.core.block_math import num_blocks_for
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
-from kvserve.core.scheduler import Scheduler
+from kvserve.core.scheduler import Scheduler, group_width
 from kvserve.engine.args import engine_config
 from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.trace import StepTrace
+from kvserve.engine.watchdog import Watchdog
 from kvserve.distributed import workers
 from kvserve.distributed.handover import KVHandover, KVIdentity
 from kvserve.distributed.tensor_parallel import CommStats, check_shardable, install_row_parallel, shard_weights
@@ -157,6 +158,7 @@ class LLMEngine:
                                  groups=groups, step_tokens=step_tokens)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_seq_len)
         self.beams = BeamSearch(self.scheduler)
+        self.watchdog = Watchdog()  # ends a request that runs without progress, saying why
         layout = CacheLayout(layer_group, len(groups), tuple(g.window for g in groups), self.plan.block_size,
                              self.plan.num_blocks, self.max_model_len, tuple(g.sinks for g in groups),
                              tuple(g.kind for g in groups))
@@ -322,20 +324,39 @@ class LLMEngine:
             raise ValueError("the prompt is empty: at least one token is needed")
         if params.structured is not None:
             self._structured().grammar(params.structured)  # a ValueError naming the problem
-        width = max(params.n, params.beam_width or 0)
+        width = group_width(params)
         if width > self.config.scheduler.max_num_seqs:
             raise ValueError(f"n: this request runs {width} sequences at once, more than the "
                              f"{self.config.scheduler.max_num_seqs} the engine runs (--max-num-seqs)")
+        budget = self.config.scheduler.max_num_batched_tokens
+        if params.use_beam_search and width > budget:  # every beam computes a token in the same step
+            raise ValueError(f"beam_width: {width} beams step together, more than the {budget} tokens a step "
+                             f"computes (--max-num-batched-tokens)")
         room = self.max_seq_len - (params.max_tokens > 0)  # room for one generated token, if any
         if len(ids) > room:
             raise ValueError(f"the prompt has {len(ids)} tokens; the context holds "
                              f"{self.max_model_len}, so at most {room} fit")
+        self._check_fits(ids, params, width)
+
+    def _check_fits(self, ids: list[int], params: SamplingParams, width: int) -> None:
+        """The request's group at its worst (every sequence grown to its longest, a decode step
+        each with its proposals: the scheduler cuts a windowed prompt into chunks that fit)
+        must fit the pool, or it could never run whole."""
         longest = min(len(ids) + params.max_tokens, self.max_seq_len)
-        needed = self.kv.blocks_needed(longest)
-        if needed > self.plan.num_blocks:
-            raise ValueError(f"this request can grow to {longest} tokens ({needed} blocks) but the "
-                             f"KV cache has {self.plan.num_blocks} blocks of {self.plan.block_size}; "
-                             f"lower max_tokens or raise --kv-cache-memory")
+        lookahead = self.config.speculative.num_speculative_tokens if self._speculates(params) else 0
+        needed = self.kv.group_blocks_needed(len(ids), longest, width, 1 + lookahead)
+        if needed <= self.plan.num_blocks:
+            return
+        group = f"its {width} sequences" if width > 1 else "it"
+        lower = "max_tokens, n or best_of" if width > 1 else "max_tokens"
+        raise ValueError(f"this request can grow to {longest} tokens: {group} may hold {needed} blocks "
+                         f"at once but the KV cache has {self.plan.num_blocks} blocks of "
+                         f"{self.plan.block_size}; lower {lower} or raise --kv-cache-memory")
+
+    def _speculates(self, params: SamplingParams) -> bool:
+        """Whether the request's decodes may verify proposals (the proposer guesses for plain
+        sampling only)."""
+        return self.proposer is not None and not params.use_beam_search and params.structured is None
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks now (every member of its group: n > 1 samples)."""
@@ -353,6 +374,7 @@ class LLMEngine:
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
+        self.watchdog.watch(sched, self.scheduler)
         if self.proposer is not None:
             self.proposer.forget(sched.finished_request_ids)
             for rid in sched.finished_request_ids:
@@ -360,6 +382,8 @@ class LLMEngine:
                 self._spec_paused.pop(rid, None)
         result, failed = self.runner.execute_isolated(sched)
         failed_groups = [g for rid, message in failed.items() if (g := self._fail(rid, message)) is not None]
+        failed_groups += [self._end_group(r, r.error or "failed") for r in
+                          {r.group_id: r for r in self.scheduler.take_failed()}.values()]
         for s in sched.scheduled:
             if s.spec_token_ids and s.request_id in result.sampled_token_ids:
                 accepted = len(result.sampled_token_ids[s.request_id]) - 1
@@ -375,6 +399,8 @@ class LLMEngine:
         for state in self.beams.step(result.logits):
             self.outputs.finish_beams(state.group.group_id, self.beams.outputs(state))
             touched.append(state.group.first)
+        failed_groups += [g for rid, why in self.watchdog.stalled(self.scheduler)
+                          if (g := self._fail(rid, why)) is not None]
         self.num_steps += 1
         self._last_step_tokens = sched.num_batched_tokens
         if self.trace is not None:
@@ -414,12 +440,18 @@ class LLMEngine:
         """A request whose step failed: its whole group ends with the error and frees its
         blocks; the others go on. Returns the group's id."""
         req = self.scheduler.requests.get(request_id)
-        if req is None:
-            return None
+        return None if req is None else self._end_group(req, message)
+
+    def _end_group(self, req: Request, message: str) -> str:
+        """req's whole group ends with the error (req itself may have ended already, inside the
+        scheduler) and frees its blocks. Returns the group's id."""
         logger.warning("request %s failed: %s", req.group_id, message)
         for member in self.scheduler.finish_group(req.group_id, RequestStatus.FINISHED_ERROR):
             member.error = message
-            self.outputs.finish_sample(member, "error")
+        assert req.group is not None
+        for member in req.group.members:
+            if member.status == RequestStatus.FINISHED_ERROR:
+                self.outputs.finish_sample(member, "error")
         self.beams.forget(req.group_id)
         state = self.outputs.states.get(req.group_id)
         if state is not None:

@@ -84,9 +84,9 @@ class RequestState:
     @property
     def finished(self) -> bool:
         """Every member of the request's group (n samples, or more after forks) has ended; for
-        beam search, the search has ended (its members come and go as beams)."""
+        beam search, the search has ended (its members come and go as beams) or failed."""
         if self.params.use_beam_search:
-            return self.beams_done
+            return self.beams_done or (self.error is not None and self.group.is_finished)
         return len(self.samples) == len(self.group.members) and all(
             s.finish_reason is not None for s in self.samples.values())
 

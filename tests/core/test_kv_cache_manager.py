@@ -169,3 +169,38 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+
+
+def test_a_window_takes_a_long_prompt_in_the_chunks_that_fit():
+    """allocate_fitting: a prompt too long for the pool in one step goes in the most tokens that
+    fit; once the window has passed them, their blocks come back for the rest."""
+    from kvserve.core.cache_group import CacheGroupSpec
+    kv = make_manager(num_blocks=6, block_size=4, groups=(CacheGroupSpec("sliding", (0,), window=8, sinks=2),))
+    null = kv.null_block
+    req = make_request(range(30))
+    assert kv.allocate_fitting(req, 30) == 24  # 30 tokens would take 8 blocks of the 6
+    assert kv.block_table(req.request_id) == [0, 1, 2, 3, 4, 5]
+    req.num_computed_tokens = 24
+    kv.remove_skipped_blocks(req)  # the sinks' block and the recent ones stay
+    assert kv.block_table(req.request_id) == [0, null, null, null, 4, 5]
+    assert kv.allocate_fitting(req, 6) == 6
+    assert kv.block_table(req.request_id) == [0, null, null, null, 4, 5, 3, 2]
+    kv.check_integrity()
+
+
+def test_full_attention_takes_all_of_a_chunk_or_nothing():
+    kv = make_manager(num_blocks=6, block_size=4)
+    req = make_request(range(30))
+    assert kv.allocate_fitting(req, 30) == 0  # every block stays: a shorter chunk only defers the need
+    assert kv.block_table(req.request_id) == [] and kv.pool.num_free_blocks == 6
+    kv.check_integrity()
+
+
+def test_a_group_counts_every_member_and_its_shared_prompt_once():
+    from kvserve.core.cache_group import CacheGroupSpec
+    assert make_manager(block_size=16).group_blocks_needed(40, 100, 4) == 2 + 4 * 5
+    assert make_manager(block_size=16).group_blocks_needed(40, 100, 1) == 7
+    # a window shares nothing it passes: 4 * (1 sinks' block + 4 for the recent 60 and a step)
+    sinks = make_manager(block_size=16, groups=(CacheGroupSpec("sliding", (0,), window=64, sinks=4),))
+    assert sinks.group_blocks_needed(40, 1720, 4, 1) == 4 * 6
+    assert sinks.blocks_needed(1720, 1) == 6 and sinks.blocks_needed(1720, 2048) == 108

@@ -159,3 +159,69 @@ def test_token_lists_are_kept_not_rebuilt():
     assert req.all_token_ids is tokens and tokens == [0, 1, 2, 3, 4, 9] and req.output_token_ids == [9]
     req.truncate_output(0)
     assert req.all_token_ids is tokens and tokens == [0, 1, 2, 3, 4] and req.num_truncations == 1
+
+
+def beam_step(sched, beams):
+    """One step with beam search's rule, as kvserve.engine.beam_search applies it: the beams
+    advance (the first one forking into its width after the prompt) only when every live beam
+    got its row this step; rows of a split group are taken back."""
+    from kvserve.core.outputs import ModelRunnerOutput
+    out = sched.schedule()
+    sampled = {s.request_id: [7] for s in out.scheduled if s.num_samples}
+    rows = {s.request_id for s in out.scheduled if s.num_logit_rows}
+    sched.update(out, ModelRunnerOutput(sampled))
+    live = [m for m in beams.group.members if not m.is_finished]
+    got = [m for m in live if m.request_id in rows]
+    if got and len(got) < len(live):
+        for m in got:
+            sched.rollback(m, m.num_computed_tokens - 1)
+    elif got:
+        if len(live) == 1 and not live[0].num_output_tokens:
+            live += sched.fork(live[0], beams.sampling_params.beam_width - 1)
+        for m in live:
+            sched.extend(m, [8])
+    sched.check_integrity()
+    return out
+
+
+def test_a_groups_beams_are_preempted_and_admitted_together():
+    """A request that came first needs the pool: the beams give way all at once (never one beam
+    left running, or spinning on rows taken back), and come back together once it has room."""
+    sched = make_scheduler(num_blocks=16, block_size=4, max_model_len=64, max_num_seqs=8)
+    first = make_request(range(8), max_tokens=28, ignore_eos=True)  # grows to 9 blocks
+    beams = make_request(range(20, 24), max_tokens=12, use_beam_search=True, beam_width=4, temperature=0)
+    sched.add_request(first)
+    sched.add_request(beams)
+    assert sched.worst_case_blocks(beams) == 1 + 4 * 3  # the prompt's block, then 3 blocks each
+    for _ in range(200):
+        if not sched.has_unfinished():
+            break
+        before = {m.request_id for m in beams.group.members if not m.is_finished}
+        out = beam_step(sched, beams)
+        live = [m for m in beams.group.members if not m.is_finished]
+        running = [m for m in live if m.status == RequestStatus.RUNNING]
+        assert len(running) in (0, len(live))
+        assert len([s for s in out.scheduled if s.request_id in before]) in (0, len(before))
+    assert not sched.has_unfinished()
+    assert first.num_output_tokens == 28 and first.num_preemptions == 0
+    assert len(beams.group.members) == 4 and all(m.num_output_tokens == 12 for m in beams.group.members)
+    assert all(m.num_preemptions == 1 for m in beams.group.members)  # once, together
+    assert sched.kv.pool.num_free_blocks == 16
+
+
+def test_beams_that_cannot_fit_alone_fail_instead_of_spinning():
+    from kvserve.core.outputs import ModelRunnerOutput
+    sched = make_scheduler(num_blocks=4, block_size=4, max_model_len=64, max_num_seqs=8)
+    beams = make_request(range(4), max_tokens=4, use_beam_search=True, beam_width=2, temperature=0)
+    sched.add_request(beams)
+    out = sched.schedule()  # its worst case, 1 + 2 * 1 blocks, fits: admitted
+    sched.update(out, ModelRunnerOutput({}))
+    members = [beams] + sched.fork(beams, 4)  # wider than it said: 5 beams that each need a block of their own
+    for m in members:
+        sched.extend(m, [8])
+    out = sched.schedule()
+    assert not out.scheduled and not sched.has_unfinished()
+    assert all(m.finish_reason == "error" and "too small to hold the 5 beams" in m.error for m in members)
+    assert sched.take_failed() == members and sched.take_failed() == []
+    assert sched.kv.pool.num_free_blocks == 4
+    sched.check_integrity()
