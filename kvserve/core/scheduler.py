@@ -73,6 +73,7 @@ class Scheduler:
         self.before_free: Optional[Callable[[Request], None]] = None
         self._step_preemptions = 0
         self._failed: list[Request] = []  # ended with an error inside the scheduler, for the engine to report
+        self.paused: set[str] = set()  # groups held out of the steps (pause, resume)
         self.key: Callable[[Request], PolicyKey] = (
             self._priority_key if config.policy == "priority" else self._fcfs_key)
 
@@ -112,6 +113,7 @@ class Scheduler:
         self._finished_ids.append(request_id)
         if req.group is not None and req.group.is_finished:
             self.groups.pop(req.group_id, None)
+            self.paused.discard(req.group_id)
         return req
 
     def finish_group(self, group_id: str, status: RequestStatus) -> list[Request]:
@@ -122,6 +124,29 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    def has_runnable(self) -> bool:
+        """Whether a step could compute anything: some unfinished request is not paused."""
+        return any(r.group_id not in self.paused for r in self.requests.values())
+
+    # ---- pausing: a group whose reader has fallen behind ----
+    def pause(self, group_id: str) -> bool:
+        """Hold a group out of the steps until resume: its running members keep their blocks but
+        compute nothing (and are the first to give their blocks up when another request needs
+        them), its waiting members are not admitted. So the output nobody reads stops growing.
+        False: no such unfinished group."""
+        if group_id not in self.groups:
+            return False
+        self.paused.add(group_id)
+        return True
+
+    def resume(self, group_id: str) -> None:
+        """Let a paused group run again (from where it was; preempted meanwhile, it is recomputed
+        or swapped in as any preempted request)."""
+        self.paused.discard(group_id)
+
+    def is_paused(self, req: Request) -> bool:
+        return req.group_id in self.paused
 
     # ---- verbs between steps ----
     def fork(self, parent: Request, num_children: int) -> list[Request]:
@@ -194,8 +219,8 @@ class Scheduler:
                                                        self.key(r))):
             if budget == 0:
                 break
-            if req.status != RequestStatus.RUNNING or req.request_id in seen:
-                continue  # preempted to make room for an earlier one, or scheduled with its gang
+            if req.status != RequestStatus.RUNNING or req.request_id in seen or self.is_paused(req):
+                continue  # preempted to make room for an earlier one, scheduled with its gang, or paused
             gang = gang_of(req)
             seen.update(m.request_id for m in gang)
             budget -= self._schedule_running(gang, budget, scheduled)
@@ -268,6 +293,7 @@ class Scheduler:
             elif req.status != RequestStatus.SWAPPED:
                 assert self.kv.num_held_blocks(req.request_id) == 0, req.request_id
             assert req.group_id in self.groups
+        assert self.paused <= set(self.groups), "a paused group that is not unfinished"
 
     # ---- helpers ----
     def _register(self, req: Request) -> None:
@@ -313,7 +339,9 @@ class Scheduler:
         until it fits; returns the new tokens each member computes ([]: the gang had to go)."""
         taken = {s.request_id for s in scheduled}
         while not (allocated := self._allocate(gang, sizes, specs)):
-            victim = max((r for r in self.running if r.request_id not in taken), key=self.key)
+            # a paused request computes nothing meanwhile: it gives its blocks up first
+            victim = max((r for r in self.running if r.request_id not in taken),
+                         key=lambda r: (self.is_paused(r), self.key(r)))
             if victim in gang and len(self.running) == len(gang):
                 why = "this sequence" if len(gang) == 1 else f"the {len(gang)} beams of this request"
                 for member in gang:
@@ -341,8 +369,7 @@ class Scheduler:
     def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Waiting requests in policy order, while seats, budget and blocks allow; a gang is
         admitted whole, and only when its group's worst case fits the free pool."""
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
+        while budget > 0 and (req := self.next_waiting()) is not None:
             gang = [m for m in gang_of(req) if m.status != RequestStatus.RUNNING]
             if len(self.running) + len(gang) > self.config.max_num_seqs:
                 break
@@ -404,6 +431,10 @@ class Scheduler:
         scheduled.append(self._scheduled(req, num_new, 0))
         return num_new
 
+    def next_waiting(self) -> Optional[Request]:
+        """The first waiting request in policy order that is not paused."""
+        return next((r for r in self.waiting if r.group_id not in self.paused), None)
+
     def _cached_prefix(self, req: Request) -> tuple[list[list[int]], int]:
         # a request scoring its prompt computes every prompt token: cached blocks have no logits
         return self.kv.find_cached_prefix(req, use_cache=req.sampling_params.prompt_logprobs is None)
@@ -433,8 +464,8 @@ class Scheduler:
         its seat (or its blocks) when either is short."""
         if self.config.policy != "priority":
             return
-        while self.waiting and self.running:
-            best, worst = self.waiting[0], max(self.running, key=self.key)
+        while (best := self.next_waiting()) is not None and self.running:
+            worst = max(self.running, key=self.key)
             if self.key(best) >= self.key(worst):
                 return
             first_chunk = min(best.num_tokens, self.config.max_num_batched_tokens)

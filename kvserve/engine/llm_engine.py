@@ -371,6 +371,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._ended_outside_step)
 
+    def has_runnable(self) -> bool:
+        """Whether a step would do anything: a request that is not paused, or outputs to report."""
+        return self.scheduler.has_runnable() or bool(self._ended_outside_step)
+
+    def pause(self, request_id: str) -> bool:
+        """Hold a request (its whole group) out of the steps until resume: nothing is computed
+        for it, its blocks go first when another request needs them (Scheduler.pause)."""
+        return self.scheduler.pause(request_id)
+
+    def resume(self, request_id: str) -> None:
+        self.scheduler.resume(request_id)
+
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()

@@ -41,7 +41,11 @@ class Watchdog:
             if rid not in scheduler.groups:
                 self._stalled.pop(rid, None)
         members: dict[str, list[Request]] = {}
-        blocking = scheduler.waiting[:1] + scheduler.running if out.is_empty else []
+        blocking: list[Request] = []
+        if out.is_empty:  # a paused request is held back on purpose: it blocks nothing
+            head = scheduler.next_waiting()
+            blocking = ([head] if head is not None else []) + [r for r in scheduler.running
+                                                               if not scheduler.is_paused(r)]
         for req in [scheduler.requests[s.request_id] for s in out.scheduled] + blocking:
             members.setdefault(req.group_id, []).append(req)
         self._watched = {gid: (reqs, sum(map(progress, reqs))) for gid, reqs in members.items()}

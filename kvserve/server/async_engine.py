@@ -19,7 +19,8 @@ from kvserve.engine.outputs import RequestOutput, coalesce
 from kvserve.core.sampling_params import SamplingParams
 
 
-MAX_UNREAD_S = 30.0  # a stream whose reader has taken nothing for this long is aborted
+PAUSE_AFTER_S = 1.0  # a stream whose reader has taken nothing for this long is paused
+MAX_UNREAD_S = 30.0  # and for this long, aborted
 STOPPED_READING = "the client stopped reading its stream"
 
 
@@ -31,6 +32,7 @@ class _Mailbox:
     def __init__(self) -> None:
         self.pending: Optional[RequestOutput] = None
         self.unread_since: Optional[float] = None
+        self.paused = False  # its request is held out of the steps until the reader catches up
         self._ready = asyncio.Event()
 
     def put(self, out: RequestOutput) -> None:
@@ -60,9 +62,10 @@ class _Add:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[RequestOutput], None]] = None,
-                 max_unread_s: float = MAX_UNREAD_S) -> None:
+                 max_unread_s: float = MAX_UNREAD_S, pause_after_s: float = PAUSE_AFTER_S) -> None:
         self.engine = engine
         self.max_unread_s = max_unread_s
+        self.pause_after_s = pause_after_s
         self.on_finished = on_finished  # metrics hook, called on the engine thread
         self._commands: "queue.Queue[Any]" = queue.Queue()
         self._streams: dict[str, _Add] = {}
@@ -86,7 +89,9 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams,
                        priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as they come. Leaving early (a client that disconnects)
-        aborts the request, which frees its blocks at once."""
+        aborts the request, which frees its blocks at once. A reader that falls pause_after_s
+        behind has its request paused (nothing computed for it) until it reads again; one that
+        reads nothing for max_unread_s has it aborted."""
         loop = asyncio.get_running_loop()
         cmd = _Add(request_id, prompt, params, priority, cache_salt, loop, loop.create_future(), _Mailbox())
         self._commands.put(cmd)
@@ -98,6 +103,9 @@ class AsyncEngine:
             while not finished:
                 out = await cmd.outputs.get()
                 finished = out.finished
+                if cmd.outputs.paused:  # the reader caught up
+                    cmd.outputs.paused = False
+                    self._commands.put(("resume", request_id))
                 yield out
         finally:
             if not finished:
@@ -127,8 +135,9 @@ class AsyncEngine:
     # ---- the engine thread ----
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
-            if not self.engine.has_unfinished():
+            # a paused request waits for its reader, not for a step: the thread waits for commands
+            self._drain_commands(block=not self.engine.has_runnable())
+            if not self.engine.has_runnable():
                 continue
             try:
                 outputs = self.engine.step()
@@ -171,6 +180,10 @@ class AsyncEngine:
             loop.call_soon_threadsafe(_set_result, done, result)
         elif cmd[0] == "end_all":
             self._fail_all(cmd[1])
+        elif cmd[0] == "pause":
+            self.engine.pause(cmd[1])
+        elif cmd[0] == "resume":
+            self.engine.resume(cmd[1])
         elif cmd[0] == "abort":
             _, rid, reason = cmd
             if self.engine.abort(rid):
@@ -189,13 +202,27 @@ class AsyncEngine:
             cmd.loop.call_soon_threadsafe(self._offer, cmd, out)
 
     def _offer(self, cmd: _Add, out: RequestOutput) -> None:
-        """On the event loop: hand `out` to the request's reader; one that has taken nothing for
-        max_unread_s (a client that stopped reading) has its request aborted."""
+        """On the event loop: hand `out` to the request's reader. One that has taken nothing for
+        pause_after_s has its request paused (and aborted if it still reads nothing by
+        max_unread_s); one that has taken nothing for max_unread_s has it aborted."""
         box = cmd.outputs
-        if box.unread_since is not None and time.monotonic() - box.unread_since > self.max_unread_s \
-                and not out.finished:
+        unread_s = 0.0 if box.unread_since is None else time.monotonic() - box.unread_since
+        if unread_s > self.max_unread_s and not out.finished:
             self.abort(cmd.request_id, STOPPED_READING)
+        elif unread_s > self.pause_after_s and not out.finished and not box.paused:
+            box.paused = True
+            self._commands.put(("pause", cmd.request_id))
+            cmd.loop.call_later(self.max_unread_s - unread_s + 0.01, self._abort_if_unread, cmd)
         box.put(out)
+
+    def _abort_if_unread(self, cmd: _Add) -> None:
+        """On the event loop, max_unread_s after a stream's reader last read, if it was paused
+        then: abort it when it has still read nothing (a paused request makes no output that
+        would check)."""
+        box = cmd.outputs
+        if box.paused and box.unread_since is not None \
+                and time.monotonic() - box.unread_since >= self.max_unread_s:
+            self.abort(cmd.request_id, STOPPED_READING)
 
     def _fail_all(self, message: str) -> None:
         for rid in list(self._streams):

@@ -225,3 +225,68 @@ def test_beams_that_cannot_fit_alone_fail_instead_of_spinning():
     assert sched.take_failed() == members and sched.take_failed() == []
     assert sched.kv.pool.num_free_blocks == 4
     sched.check_integrity()
+
+
+# ---- pause and resume (a stream whose reader has fallen behind) ----
+def test_a_paused_request_computes_nothing_and_resumes_where_it_was():
+    sched = make_scheduler(num_blocks=32, block_size=4)
+    a, b = make_request(range(5), max_tokens=6), make_request(range(10, 15), max_tokens=6)
+    sched.add_request(a)
+    sched.add_request(b)
+    fake_step(sched)
+    assert sched.pause(a.group_id) and not sched.pause("no such group")
+    held = sched.kv.num_held_blocks(a.request_id)
+    for _ in range(3):
+        assert [s.request_id for s in fake_step(sched).scheduled] == [b.request_id]
+        sched.check_integrity()
+    assert a.num_output_tokens == 1 and a.status == RequestStatus.RUNNING
+    assert sched.kv.num_held_blocks(a.request_id) == held  # it keeps its blocks while nobody needs them
+    sched.resume(a.group_id)
+    run_to_end(sched)
+    assert a.num_output_tokens == 6 and b.num_output_tokens == 6 and not sched.paused
+
+
+def test_a_paused_request_is_not_admitted_and_does_not_block_the_queue():
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=1)
+    a, b = make_request(range(5), max_tokens=3), make_request(range(10, 15), max_tokens=3)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.pause(a.group_id)
+    assert sched.has_runnable()  # b can run
+    run_until = [fake_step(sched) for _ in range(3)]
+    assert all(s.request_id == b.request_id for out in run_until for s in out.scheduled)
+    assert b.is_finished and a.status == RequestStatus.WAITING and not sched.has_runnable()
+    assert fake_step(sched).is_empty
+    sched.resume(a.group_id)
+    run_to_end(sched)
+    assert a.num_output_tokens == 3
+
+
+def test_a_paused_request_gives_its_blocks_up_first():
+    """Four blocks of 4: a paused request holding two is preempted for the running one that needs
+    them, though the policy would take the newest (the running one) first."""
+    sched = make_scheduler(num_blocks=4, block_size=4)
+    old, new = make_request(range(6), max_tokens=8), make_request(range(10, 16), max_tokens=8)
+    sched.add_request(old)
+    sched.add_request(new)
+    fake_step(sched)
+    sched.pause(old.group_id)
+    fake_step(sched)
+    fake_step(sched)  # new reaches 8 tokens: it needs a third block, and only old's are left
+    fake_step(sched)
+    assert old.num_preemptions == 1 and new.num_preemptions == 0
+    assert old.status == RequestStatus.PREEMPTED and sched.kv.num_held_blocks(old.request_id) == 0
+    sched.check_integrity()
+    sched.resume(old.group_id)
+    run_to_end(sched)
+    assert old.num_output_tokens == 8 and new.num_output_tokens == 8
+
+
+def test_ending_a_paused_group_forgets_the_pause():
+    sched = make_scheduler()
+    a = make_request(range(5))
+    sched.add_request(a)
+    sched.pause(a.group_id)
+    sched.finish_group(a.group_id, RequestStatus.FINISHED_ABORTED)
+    assert not sched.paused
+    sched.check_integrity()
