@@ -528,5 +528,10 @@ class LLMEngine:
                     100 * s.kv_usage, 100 * s.prefix_hit_rate, self._last_step_tokens)
 
     def check_integrity(self) -> None:
-        self.kv.check_integrity()
+        """Between steps: the scheduler's invariants (each request in the one queue its status
+        names, running tables covering exactly the computed tokens) and through them the cache
+        manager's and the pool's; and every unfinished request has its output state."""
+        self.scheduler.check_integrity()
+        missing = [gid for gid in self.scheduler.groups if gid not in self.outputs.states]
+        assert not missing, f"unfinished requests without an output state: {missing}"
 
