@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import canonical_dtype, env_api_key
-from kvserve.engine.args import add_engine_args, engine_options, make_engine, options_from
+from kvserve.config import OptionError, canonical_dtype, check_at_least, env_api_key
+from kvserve.engine.args import add_engine_args, engine_config, engine_options, make_engine, options_from
 
 
 class UserError(Exception):
@@ -203,6 +203,8 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 
 
 def cmd_memory(a: argparse.Namespace) -> int:
+    for option in ("batch", "tensor_parallel_size") + (("context",) if a.context is not None else ()):
+        check_at_least(option, getattr(a, option), 1)
     r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype, a.sliding_window,
                       a.attention_sinks, a.tensor_parallel_size)
     if a.json:
@@ -330,24 +332,20 @@ def cmd_visualize(a: argparse.Namespace) -> int:
 
 # ---- serve / bench ----
 def cmd_serve(a: argparse.Namespace) -> int:
-    from kvserve.server.app import serve
     from kvserve.server.args import ServeOptions
-    options = options_from(ServeOptions, a)
-    if options.data_parallel_size < 1:
-        raise UserError(f"--data-parallel-size must be >= 1, got {options.data_parallel_size}")
+    options = options_from(ServeOptions, a)  # every setting checked before the model loads ...
+    engine_config(a.model, **engine_options(a))  # ... here, not in each replica of -dp N
     if options.data_parallel_size > 1:
         from kvserve.server.replicas import serve_replicas
         return serve_replicas(a.model, engine_options(a), options)
+    from kvserve.server.app import serve
     return serve(a.model, engine_options(a), options)
 
 
 def cmd_router(a: argparse.Namespace) -> int:
     from kvserve.server.router import RouterOptions, RoutingPolicy, run_router
-    try:
-        options = RouterOptions(a.host, a.port, a.api_key or env_api_key(), a.max_body_bytes, a.shutdown_timeout,
-                                RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    options = RouterOptions(a.host, a.port, a.api_key or env_api_key(), a.max_body_bytes, a.shutdown_timeout,
+                            RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
     return run_router(a.replica, options)
 
 
@@ -453,7 +451,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except (UserError, ModelLoadError, ValueError, FileNotFoundError, IsADirectoryError,
             PermissionError) as e:
-        print(f"kvserve: error: {e}", file=sys.stderr)
+        print(f"kvserve: error: {e.as_flag if isinstance(e, OptionError) else e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

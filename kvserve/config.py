@@ -7,6 +7,7 @@ torch. Environment variables are read here and nowhere else (`env_api_key`, `env
 
 from __future__ import annotations
 
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -21,6 +22,30 @@ PACKED_ACTIVATIONS = ("float", "int8")  # what packed weights multiply by
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
+
+
+class OptionError(ValueError):
+    """A value an option cannot take. `option` is the option's name as `LLM(...)` and the
+    options dataclasses take it; the command line spells it with dashes (num_blocks is
+    --num-blocks), so each front end can name it as its user typed it."""
+
+    def __init__(self, option: str, problem: str) -> None:
+        super().__init__(f"{option} {problem}")
+        self.option, self.problem = option, problem
+
+    @property
+    def as_flag(self) -> str:
+        """The message as the command line names the option: '--num-blocks must be >= 1, got 0'."""
+        return f"--{self.option.replace('_', '-')} {self.problem}"
+
+
+def check_at_least(option: str, value: Any, minimum: int, integer: bool = True) -> None:
+    """OptionError unless value is a number >= minimum, and a whole one where `integer` (a bool
+    is neither; NaN is never >= anything)."""
+    is_number = isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
+    if not (is_number and value >= minimum):
+        what = "an integer" if integer else "a number"
+        raise OptionError(option, f"must be {what} >= {minimum}, got {value!r}")
 
 
 def canonical_dtype(name: str) -> str:
@@ -92,6 +117,7 @@ class ModelConfig:
     rope_local_theta: Optional[float] = None  # RoPE base of sliding layers (Gemma 3)
 
     def __post_init__(self) -> None:
+        self._check_sizes()
         if self.head_dim == 0:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -101,14 +127,21 @@ class ModelConfig:
                              f"{self.num_hidden_layers} layers, got {self.layer_types}")
         if "sliding" in self.layer_types and not (self.sliding_window and self.sliding_window >= 1):
             raise ValueError(f"sliding layers need a sliding_window >= 1, got {self.sliding_window}")
-        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "num_key_value_heads", "head_dim"):
-            if getattr(self, attr) < 1:
-                raise ValueError(f"ModelConfig.{attr} must be >= 1, got {getattr(self, attr)}")
+        if self.head_dim < 1:
+            raise ValueError(f"ModelConfig.head_dim must be >= 1, got {self.head_dim} (hidden_size "
+                             f"{self.hidden_size} // num_attention_heads {self.num_attention_heads})")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
+
+    def _check_sizes(self) -> None:
+        """Every size a whole number >= 1 (head_dim may be 0: derived), before any is divided by."""
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            value, least = getattr(self, attr), 0 if attr == "head_dim" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"ModelConfig.{attr} must be an integer >= {least}, got {value!r}")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -149,16 +182,14 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.layout not in ("paged", "contiguous"):
             raise ValueError(f"kv layout must be 'paged' or 'contiguous', got {self.layout!r}")
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
-        if self.num_blocks is not None and self.num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
-        if self.memory_bytes is not None and self.memory_bytes < 1:
-            raise ValueError(f"kv cache memory must be > 0 bytes, got {self.memory_bytes}")
+        check_at_least("block_size", self.block_size, 1)
+        if self.num_blocks is not None:
+            check_at_least("num_blocks", self.num_blocks, 1)
+        if self.memory_bytes is not None:  # the flat option's name: LLM(kv_cache_memory=...)
+            check_at_least("kv_cache_memory", self.memory_bytes, 1)
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
-            raise ValueError(f"kv cache memory fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.swap_space_bytes < 0:
-            raise ValueError(f"swap space must be >= 0 bytes, got {self.swap_space_bytes}")
+            raise OptionError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
+        check_at_least("swap_space", self.swap_space_bytes, 0)
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding window must be >= 1 token, got {self.sliding_window}")
@@ -181,12 +212,12 @@ class SchedulerConfig:
     max_waiting: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.max_prefill_chunk is not None and self.max_prefill_chunk < 1:
-            raise ValueError(f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk}")
+        check_at_least("max_num_seqs", self.max_num_seqs, 1)
+        check_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        if self.max_prefill_chunk is not None:
+            check_at_least("max_prefill_chunk", self.max_prefill_chunk, 1)
+        if self.max_waiting is not None:  # 0 would refuse every request: each waits before its first step
+            check_at_least("max_waiting", self.max_waiting, 1)
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.preemption_mode not in ("recompute", "swap"):
@@ -212,8 +243,7 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
             raise ValueError(f"speculative method must be one of {SPEC_METHODS}, got {self.method!r}")
-        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        check_at_least("num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.method == "draft" and not self.speculative_model:
             raise ValueError("speculative method 'draft' needs a speculative_model (--speculative-model)")
         if self.method != "draft" and self.speculative_model:
@@ -221,8 +251,7 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(f"prompt lookup needs 1 <= min <= max, got {self.prompt_lookup_min} and "
                              f"{self.prompt_lookup_max}")
-        if self.disable_batch_size < 0:
-            raise ValueError(f"speculative disable batch size must be >= 0, got {self.disable_batch_size}")
+        check_at_least("speculative_disable_batch_size", self.disable_batch_size, 0)
 
 
 EXECUTOR_BACKENDS = ("mp", "ray")
@@ -239,8 +268,7 @@ class ParallelConfig:
     distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor parallel size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.distributed_executor_backend not in EXECUTOR_BACKENDS:
             raise ValueError(f"distributed executor backend must be one of {EXECUTOR_BACKENDS}, "
                              f"got {self.distributed_executor_backend!r}")
@@ -276,8 +304,11 @@ class EngineConfig:
         if dtype not in MODEL_DTYPES:
             raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None:
+            check_at_least("max_model_len", self.max_model_len, 1)
+        interval = self.log_stats_interval_s  # None: no stats log (0 would log every step)
+        if interval is not None and not (isinstance(interval, numbers.Real) and 0 < interval < float("inf")):
+            raise OptionError("log_stats_interval_s", f"must be seconds > 0 (None: no stats log), got {interval!r}")
         if self.weight_dtype not in WEIGHT_DTYPES:
             raise ValueError(f"weight dtype must be one of {WEIGHT_DTYPES}, got {self.weight_dtype!r}")
         if self.weight_dtype in MODEL_DTYPES and self.weight_dtype != dtype:

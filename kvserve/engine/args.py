@@ -7,12 +7,13 @@ options `LLM(...)` and `LLMEngine.from_options` take, and the config tree both t
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import fields
 from typing import Any, Type, TypeVar
 
 from kvserve.config import (KERNEL_BACKENDS, PACKED_ACTIVATIONS, SPEC_DISABLE_BATCH_SIZE, SPEC_METHODS,
-                            WEIGHT_DTYPES, CacheConfig, EngineConfig, EXECUTOR_BACKENDS, ParallelConfig,
-                            SchedulerConfig, SpeculativeConfig)
+                            WEIGHT_DTYPES, CacheConfig, EngineConfig, EXECUTOR_BACKENDS, OptionError,
+                            ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 OPTION_ALIASES = {"kv_layout": "layout", "kv_cache_memory": "memory_bytes",
@@ -65,7 +66,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "size, each activation off by up to half a quantization step)")
     g.add_argument("--kv-cache-dtype", default="auto",
                    help="KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
-                        "fp8_e5m2, int8 or int4 (see the README's memory section)")
+                        "fp8_e5m2, int8 or int4 (see docs/cache.md, memory and the cache's formats)")
     g.add_argument("--kv-cache-scales", default=None,
                    help="fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -125,7 +126,7 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
         use_cache=not a.no_cache, max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_chunk=a.max_prefill_chunk,
         policy=a.scheduling_policy, preemption_mode=a.preemption_mode,
-        swap_space=int(a.swap_space), seed=a.seed, sliding_window=a.sliding_window,
+        swap_space=_whole_bytes("swap_space", a.swap_space), seed=a.seed, sliding_window=a.sliding_window,
         attention_sinks=a.attention_sinks, attention_backend=a.attention_backend,
         linear_backend=a.linear_backend, speculative=a.speculative,
         num_speculative_tokens=a.num_speculative_tokens, speculative_model=a.speculative_model,
@@ -134,9 +135,19 @@ def engine_options(a: argparse.Namespace) -> dict[str, Any]:
     if a.kv_cache_memory is not None:
         if 0 < a.kv_cache_memory <= 1:
             opts["kv_cache_memory_fraction"] = a.kv_cache_memory
-        else:
-            opts["kv_cache_memory"] = int(a.kv_cache_memory)
+        elif a.kv_cache_memory > 1:
+            opts["kv_cache_memory"] = _whole_bytes("kv_cache_memory", a.kv_cache_memory)
+        else:  # 0, negative or NaN
+            raise OptionError("kv_cache_memory", f"must be bytes (> 1) or a fraction of free memory in (0, 1], "
+                                                 f"got {a.kv_cache_memory:g}")
     return opts
+
+
+def _whole_bytes(option: str, value: float) -> int:
+    """A byte count given as a float (1e9 on the command line); inf and NaN are no count."""
+    if not math.isfinite(value):
+        raise OptionError(option, f"must be a number of bytes, got {value:g}")
+    return int(value)
 
 
 def options_from(cls: Type[T], a: argparse.Namespace) -> T:

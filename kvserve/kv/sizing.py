@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from kvserve.config import CacheConfig, ModelConfig
+from kvserve.config import CacheConfig, ModelConfig, OptionError
 from kvserve.core.block_math import blocks_in_budget
 from kvserve.core.cache_group import CacheGroupSpec, groups_of
 from kvserve.kv.formats import KVFormat, check_format, kv_format
@@ -115,5 +115,29 @@ def plan_cache(cache: CacheConfig, model: ModelConfig, kv_cache_dtype: str, max_
         per_seq = sum(g.max_blocks_held(max_model_len, block_size) for g in groups)
         step_extra = sum(g.max_blocks_held(max_model_len, block_size, step_tokens) for g in groups) - per_seq
         num_blocks = min(num_blocks, max_num_seqs * per_seq + step_extra + 1)
-    return CachePlan(block_size, num_blocks, block_bytes, blocks_in_budget(cache.swap_space_bytes, block_bytes),
+    plan = CachePlan(block_size, num_blocks, block_bytes, blocks_in_budget(cache.swap_space_bytes, block_bytes),
                      fmt, residual_slots, residual_slot_bytes, fmt.fixed_bytes(model))
+    check_fits(plan, cache, device)
+    return plan
+
+
+def check_fits(plan: CachePlan, cache: CacheConfig, device: str) -> None:
+    """A cache sized by hand (--num-blocks, --kv-cache-memory in bytes) that the device cannot
+    hold is refused before anything is allocated, saying what it would take: the allocation
+    itself would fail with a traceback, or (memory the OS grants lazily) kill the process later."""
+    option = "num_blocks" if cache.num_blocks is not None else "kv_cache_memory" if cache.memory_bytes else None
+    if option is None:  # sized from the free memory itself
+        return
+    try:
+        available = free_device_memory(device)
+    except (RuntimeError, OSError):  # no /proc/meminfo: the allocation will tell
+        return
+    if plan.total_bytes > available:
+        given = cache.num_blocks if cache.num_blocks is not None else cache.memory_bytes
+        raise OptionError(option, f"{given}: the KV cache would need {plan.total_bytes:,} bytes "
+                                  f"({_gib(plan.total_bytes)}), more than the {_gib(available)} of memory "
+                                  f"available on {device}")
+
+
+def _gib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 30):,.1f} GiB"

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Optional
 
+from kvserve.config import OptionError, check_at_least
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+MAX_PORT = 65535  # 0: any free port, as the OS picks
 
 
 @dataclass(frozen=True)
 class ServeOptions:
+    """Validated on construction, so `kvserve serve` refuses a setting before the model loads.
+    OptionError names the option as the command line spells it (port: --port)."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: Optional[str] = None
@@ -19,10 +26,35 @@ class ServeOptions:
     max_waiting: int = 256
     max_body_bytes: int = 1 << 20
     shutdown_timeout: float = 30.0
-    log_stats_interval: float = 10.0
+    log_stats_interval: float = 10.0  # seconds; 0: no stats log
     tool_call_parser: str = "auto"
     data_parallel_size: int = 1
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        check_port(self.port)
+        check_at_least("max_waiting", self.max_waiting, 1)  # 0 would refuse every request
+        check_at_least("max_body_bytes", self.max_body_bytes, 1)
+        check_seconds("shutdown_timeout", self.shutdown_timeout)
+        check_seconds("log_stats_interval", self.log_stats_interval)
+        check_at_least("data_parallel_size", self.data_parallel_size, 1)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise OptionError("tool_call_parser", f"must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                                                  f"got {self.tool_call_parser!r}")
+        if self.log_level not in LOG_LEVELS:
+            raise OptionError("log_level", f"must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}")
+
+
+def check_port(port: object) -> None:
+    """A TCP port a server can bind (the router's too)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= MAX_PORT:
+        raise OptionError("port", f"must be in 0-{MAX_PORT} (0: any free port), got {port!r}")
+
+
+def check_seconds(option: str, value: object) -> None:
+    """A finite number of seconds >= 0 (the grace asyncio waits, a logging period)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise OptionError(option, f"must be a number of seconds >= 0, got {value!r}")
 
 
 def add_serve_args(p: argparse.ArgumentParser) -> None:
@@ -37,12 +69,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes)
     g.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout,
                    help="seconds in-flight requests get to finish on SIGTERM")
-    g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval)
+    g.add_argument("--log-stats-interval", type=float, default=d.log_stats_interval,
+                   help="seconds between the engine's stats lines in the log (0: none)")
     g.add_argument("--log-level", choices=LOG_LEVELS, default=d.log_level,
                    help="info (default) also says where start-up went: reading weights, building the "
                         "model and its kernels, allocating the cache")
     g.add_argument("--data-parallel-size", "-dp", type=int, default=d.data_parallel_size,
                    help="N engine replicas (each its own process and cache) behind one cache-aware router")
-    g.add_argument("--tool-call-parser", choices=["auto", "hermes", "llama3_json"], default=d.tool_call_parser,
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=d.tool_call_parser,
                    help="how tool calls are read from the model's text (auto: by its chat template; "
                    "hermes <tool_call> tags where the template has no tools of its own)")

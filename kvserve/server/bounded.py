@@ -1,11 +1,12 @@
 """Work that must not take the threads every request needs: a few threads of its own and a
 bounded queue, past which a call is refused at once (`Busy`) instead of waiting.
 
-The server tokenizes completions' prompts on the event loop's shared worker threads; /tokenize
-and /detokenize, which anyone may call where no API key is set, run here instead, so that a flood
-of them (1 MiB of text is seconds of tokenizing) waits for these threads alone. The threads are
-daemons: work still running at exit (a call cannot be interrupted) does not hold the process
-past its shutdown grace, as the shared pool's threads would.
+The server tokenizes completions' prompts on one set of these threads (with no bound on the
+queue, as asyncio's default executor has none); /tokenize and /detokenize, which anyone may call
+where no API key is set, run on another, so that a flood of them (1 MiB of text is seconds of
+tokenizing) waits for those threads alone. The threads are daemons: work still running at exit (a
+call cannot be interrupted) does not hold the process past its shutdown grace, as asyncio's
+default executor's threads would (asyncio.run joins them).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ class Busy(RuntimeError):
 
 
 class BoundedThreads:
-    def __init__(self, name: str, num_threads: int, max_waiting: int) -> None:
-        """name: what the calls serve, as a refusal names it ("/tokenize and /detokenize")."""
-        if num_threads < 1 or max_waiting < 0:
+    def __init__(self, name: str, num_threads: int, max_waiting: Optional[int]) -> None:
+        """name: what the calls serve, as a refusal names it ("/tokenize and /detokenize");
+        max_waiting None: calls queue without a bound."""
+        if num_threads < 1 or (max_waiting is not None and max_waiting < 0):
             raise ValueError(f"{name}: needs num_threads >= 1 and max_waiting >= 0")
         self.name, self.num_threads, self.max_waiting = name, num_threads, max_waiting
         self._jobs: "queue.SimpleQueue[Optional[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]]]" = \
@@ -38,7 +40,7 @@ class BoundedThreads:
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on one of the threads; Busy if num_threads + max_waiting calls are pending."""
         with self._lock:
-            if self.num_pending >= self.num_threads + self.max_waiting:
+            if self.max_waiting is not None and self.num_pending >= self.num_threads + self.max_waiting:
                 raise Busy(f"{self.name}: {self.num_threads} thread(s) working and {self.max_waiting} call(s) "
                            "queued; retry shortly")
             self.num_pending += 1

@@ -30,10 +30,12 @@ from collections import Counter, OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional, Sequence, TypeVar
+from urllib.parse import urlsplit
 
 from fastapi import Request  # the routes' parameter type, resolved from this module's names
 
-from kvserve.server.args import ServeOptions
+from kvserve.config import OptionError, check_at_least
+from kvserve.server.args import ServeOptions, check_port, check_seconds
 
 logger = logging.getLogger("kvserve")
 
@@ -118,6 +120,24 @@ class RoutingPolicy:
     balance_abs_threshold: int = 16  # loads this far apart (in flight) ...
     balance_rel_threshold: float = 2.0  # ... and this many times apart: route by load alone
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.cache_threshold, (int, float)) or not 0 <= self.cache_threshold <= 1:
+            raise OptionError("cache_threshold", f"must be a share in [0, 1], got {self.cache_threshold!r}")
+        check_at_least("balance_abs_threshold", self.balance_abs_threshold, 0)
+        # a factor below 1 would call any two loads "this many times apart"
+        check_at_least("balance_rel_threshold", self.balance_rel_threshold, 1, integer=False)
+
+
+def check_replica_url(url: str) -> None:
+    """A replica is named by its base URL: http(s)://host[:port] (a path is kept as its prefix)."""
+    parts = urlsplit(url)
+    try:
+        valid = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # a port that is no number, or past 65535
+        valid = False
+    if not valid:
+        raise OptionError("replica", f"must be a server's URL, as http://HOST:PORT, got {url!r}")
+
 
 @dataclass
 class Router:
@@ -129,6 +149,8 @@ class Router:
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("the router needs at least one replica")
+        for url in self.urls:
+            check_replica_url(url)
         self.replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(self.urls)]
         self.index = PrefixIndex()
         self.num_cache_routed = self.num_load_routed = self.num_rerouted = 0
@@ -483,10 +505,9 @@ class RouterOptions:
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
 
     def __post_init__(self) -> None:
-        if self.max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if not self.shutdown_timeout >= 0:
-            raise ValueError(f"shutdown_timeout must be >= 0, got {self.shutdown_timeout}")
+        check_port(self.port)
+        check_at_least("max_body_bytes", self.max_body_bytes, 1)
+        check_seconds("shutdown_timeout", self.shutdown_timeout)
 
 
 def run_router(urls: Sequence[str], options: RouterOptions, on_shutdown: Optional[Callable[[], None]] = None) -> int:
