@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -54,6 +54,9 @@ class AttentionMetadata:
     # takes the query turned back by p - rank (sink_rotation: cos, sin [T, head_dim/2] per row).
     sinks: int = 0
     sink_rotation: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+    # every row a decode writing to the cache, no chunk and no sinks (set by backends whose
+    # fast_forward has a path for such steps)
+    plain_decode: bool = False
 
 
 class AttentionBackend(ABC):
@@ -80,6 +83,14 @@ class AttentionBackend(ABC):
         """q [T, heads, hd], k/v [T, kv_heads, hd] -> [T, heads, hd]. Scores are q.k * scale,
         capped to softcap * tanh(scores / softcap) where softcap is given, over each query's
         context (its last meta.sliding_window positions where the group has a window)."""
+
+
+    def fast_forward(self, layer: int, group: int, scale: float, softcap: Optional[float],
+                     storage: Optional[KVStorage]) -> Optional[Callable[..., torch.Tensor]]:
+        """The attention layer's forward (q, k, v, ctx) -> out with what does not change between
+        steps (this layer's kernel and operands) settled once; it must return what `forward`
+        returns, bit for bit. None: the layer calls `forward` (the default)."""
+        return None
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

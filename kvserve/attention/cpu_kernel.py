@@ -5,7 +5,7 @@ quantized blocks (int8, fp8, int4) one block at a time in registers; chunks take
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,6 +23,21 @@ def kernel_module(isa: Optional[str] = None) -> Optional[Any]:
 
 def failure() -> Optional[str]:
     return kernels.failure("paged_attention")
+
+
+# the kernel's entry point for each storage kind (kvserve.kv.storage); each takes q, the
+# storage's decode_operands, block tables, context lengths, scale and window
+DECODE_ENTRIES = {"dense": "paged_decode", "int8": "paged_decode_int8", "fp8": "paged_decode_fp8",
+                  "int4": "paged_decode_int4"}
+
+
+def decode_kernel(module: Any, storage: KVStorage) -> Callable[..., torch.Tensor]:
+    """The kernel function that decodes over this storage's blocks in place."""
+    entry = DECODE_ENTRIES.get(storage.kind)
+    if entry is None:
+        raise ValueError(f"the CPU attention kernel reads no {storage.kind!r} storage; it reads "
+                         f"{sorted(DECODE_ENTRIES)}")
+    return getattr(module, entry)  # type: ignore[no-any-return]
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -48,6 +63,32 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         if meta.sinks:
             return super().decode(layer, q, storage, meta, scale, softcap, q_sink)
         assert softcap is None, "the kernel does not soft-cap scores: such models take the torch backend"
-        entry, operands = storage.decode_operands(layer)
-        return getattr(self.module, entry)(q.contiguous(), *operands, meta.decode_block_tables,
-                                           meta.decode_context_lens, scale, meta.sliding_window or 0)
+        return decode_kernel(self.module, storage)(q.contiguous(), *storage.decode_operands(layer),
+                                                   meta.decode_block_tables, meta.decode_context_lens, scale,
+                                                   meta.sliding_window or 0)
+
+    def build_metadata(self, common: AttentionMetadata, storage: Optional[KVStorage]) -> TorchAttentionMetadata:
+        meta = super().build_metadata(common, storage)
+        meta.plain_decode = (storage is not None and meta.slot_mapping is not None and not meta.prefills
+                             and meta.num_decode_tokens > 0 and not meta.sinks and meta.sink_rotation is None)
+        return meta
+
+    def fast_forward(self, layer: int, group: int, scale: float, softcap: Optional[float],
+                     storage: Optional[KVStorage]) -> Optional[Callable[..., torch.Tensor]]:
+        """A step whose rows are all plain decodes (no chunk, no sinks) writes its K/V and calls
+        the kernel for this storage (looked up once here) on the layer's operands (asked for at
+        each call: a storage may replace its tensors as it grows): what `forward` does for such a
+        step, on the same arguments; any other step takes `forward`."""
+        if storage is None or softcap is not None:
+            return None
+        kernel, operands, write, eager = decode_kernel(self.module, storage), storage.decode_operands, \
+            storage.write, self.forward
+
+        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> torch.Tensor:
+            meta = ctx.metadata[group]
+            if not meta.plain_decode:
+                return eager(layer, q, k, v, ctx.storage, meta, scale, softcap)
+            write(layer, k, v, meta.kv_write_plan)  # what write_kv does where a step has slots
+            return kernel(q.contiguous(), *operands(layer), meta.decode_block_tables, meta.decode_context_lens, scale,
+                          meta.sliding_window or 0)
+        return forward

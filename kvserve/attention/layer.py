@@ -5,14 +5,14 @@ with its cache group's metadata. The runner installs the backend and each layer'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVStorage
-from kvserve.models.direct import DirectCall
+from kvserve.modules import DirectCall, FastPath, FastPathEnv
 
 
 @dataclass
@@ -23,7 +23,7 @@ class ForwardContext:
     metadata: Sequence[AttentionMetadata]
 
 
-class Attention(DirectCall, nn.Module):
+class Attention(DirectCall, FastPath, nn.Module):
     def __init__(self, layer_idx: int, scale: float, softcap: Optional[float] = None) -> None:
         super().__init__()
         self.layer_idx, self.scale, self.softcap = layer_idx, scale, softcap
@@ -36,9 +36,19 @@ class Attention(DirectCall, nn.Module):
         return self.backend.forward(self.layer_idx, q, k, v, ctx.storage, ctx.metadata[self.group], self.scale,
                                     self.softcap)
 
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """The backend's fast form of this layer, where it has one (it owns its kernels)."""
+        if self.backend is None:
+            return {}
+        fast = self.backend.fast_forward(self.layer_idx, self.group, self.scale, self.softcap, env.storage)
+        return {} if fast is None else {"forward": fast}
+
 
 def install(model: nn.Module, backend: AttentionBackend, layer_group: Sequence[int]) -> None:
-    """Give every attention layer of the model the backend and its cache group."""
+    """Give every attention layer of the model the backend and its cache group. A layer bound to
+    an earlier backend's fast form (kvserve.modules) goes back to its eager forward, which calls
+    the new one, until the runner binds it again."""
     for m in model.modules():
         if isinstance(m, Attention):
+            m.unbind()
             m.backend, m.group = backend, layer_group[m.layer_idx]

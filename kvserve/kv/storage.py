@@ -77,9 +77,9 @@ class KVStorage(ABC):
         """The layer's tensors as stored, for kernels that read blocks in place."""
 
     @abstractmethod
-    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
-        """The CPU decode kernel's entry point for this format and what it reads of the layer
-        (kvserve/kernels/csrc/paged_attention.cpp: q, these, tables, lengths, scale)."""
+    def decode_operands(self, layer: int) -> tuple[Any, ...]:
+        """What a decode kernel reads of the layer, in the order the kernel of this storage's
+        `kind` takes them after q (the attention backend chooses the kernel by kind)."""
 
     @abstractmethod
     def copy_blocks(self, pairs: BlockPairs) -> None:
@@ -194,9 +194,9 @@ class DenseKVStorage(BlockTensorStorage):
     def reads_back_exactly(self, dtype: torch.dtype) -> bool:
         return self.dtype == dtype
 
-    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+    def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
-        return "paged_decode", (t["k"], t["v"])
+        return t["k"], t["v"]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -221,9 +221,9 @@ class Int8KVStorage(BlockTensorStorage):
                          {"k": (values, torch.int8), "k_scale": (scales, torch.float32),
                           "v": (values, torch.int8), "v_scale": (scales, torch.float32)}, device)
 
-    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+    def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
-        return "paged_decode_int8", (t["k"], t["k_scale"], t["v"], t["v_scale"])
+        return t["k"], t["k_scale"], t["v"], t["v_scale"]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -257,10 +257,9 @@ class Fp8KVStorage(BlockTensorStorage):
                              f"{list(self.scales.shape)}, got {list(scales.shape)}")
         self.scales = scales.float().to(self.device)
 
-    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+    def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
-        return "paged_decode_fp8", (t["k"], t["v"], self.table, self.scales[layer, 0], self.scales[layer, 1],
-                                    self.format == "fp8_e4m3")
+        return t["k"], t["v"], self.table, self.scales[layer, 0], self.scales[layer, 1], self.format == "fp8_e4m3"
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
@@ -407,10 +406,9 @@ class Int4KVStorage(BlockTensorStorage):
             t["v"][blocks], t["v_scale"][blocks], t["v_zero"][blocks] = quant.quantize_int4(stage["v"], dim=-1)
 
     # ---- reads ----
-    def decode_operands(self, layer: int) -> tuple[str, tuple[torch.Tensor, ...]]:
+    def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]
-        return "paged_decode_int4", (t["k"], t["k_scale"], t["k_zero"], t["v"], t["v_scale"], t["v_zero"],
-                                     self.slot_of, r["k"], r["v"])
+        return t["k"], t["k_scale"], t["k_zero"], t["v"], t["v_scale"], t["v_zero"], self.slot_of, r["k"], r["v"]
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t, r = self.layer_tensors(layer), self.residual[self.layer_to_tensor[layer]]

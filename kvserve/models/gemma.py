@@ -52,6 +52,7 @@ class GemmaAttention(nn.Module):
             self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(layer_idx, config.attention_scale, config.attn_logit_softcapping)
+        self.fused_qkv: Optional[nn.Module] = None  # packed q, k, v as one product; the parts read it
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -71,6 +72,7 @@ class GemmaMLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.fused_gate_up: Optional[nn.Module] = None  # packed gate and up as one product; the parts read it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))

@@ -27,7 +27,7 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.config import env_kernel_mode
-from kvserve.models.direct import DirectCall
+from kvserve.modules import DirectCall
 
 FEW_ROWS = 4  # the kernel's side of the measured crossover (it handles up to 8)
 

@@ -9,7 +9,7 @@ Parameter names follow Hugging Face, so every loader is a rename table.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +19,13 @@ from kvserve import kernels
 from kvserve.attention.backend import rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.models.direct import DirectCall
 from kvserve.models.linear import Linear
+from kvserve.modules import DirectCall, FastPath, FastPathEnv
 
-if TYPE_CHECKING:
-    from kvserve.runner.decode_plan import DecodePlan
+Methods = dict[str, Callable[..., Any]]
 
 
-class RMSNorm(DirectCall, nn.Module):
+class RMSNorm(DirectCall, FastPath, nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -49,6 +48,22 @@ class RMSNorm(DirectCall, nn.Module):
             return self.ops.add_rms_norm(x, residual, self.weight, self.eps), residual
         residual = residual + x
         return self.forward(residual), residual
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """The kernels, where activations are in the weight's dtype on CPU (a 2-D input: what a
+        layer gives; other shapes take the eager forward)."""
+        ops = env.cpu_ops if self.ops is not None else None
+        if ops is None or env.dtype != self.weight.dtype:
+            return {}
+        rms_norm, add_rms_norm, eager = ops.rms_norm, ops.add_rms_norm, type(self).forward
+        weight, eps = self.weight, self.eps
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return rms_norm(x, weight, eps) if x.dim() == 2 else eager(self, x)  # type: ignore[no-any-return]
+
+        def add_forward(x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return add_rms_norm(x, residual, weight, eps), residual
+        return {"forward": forward, "add_forward": add_forward}
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -101,7 +116,7 @@ class RotaryEmbedding:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x [T, heads, head_dim] rotated by position; halves rotate together (HF layout)."""
-        cos, sin = self._angles(positions)
+        cos, sin = self.angles(positions)
         if self.ops is not None and x.device.type == "cpu" and x.stride(-1) == 1 and x.dtype == cos.dtype:
             return self.ops.rotate_halves(x, cos, sin)  # type: ignore[no-any-return]
         return rotate_halves(x, cos, sin)
@@ -110,7 +125,7 @@ class RotaryEmbedding:
                    kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D] and k [T, kv_heads, D] rotated, and v [T, kv_heads, D], from a fused
         q|k|v product [T, (heads + 2 kv_heads) D]: one call on CPU."""
-        cos, sin = self._angles(positions)
+        cos, sin = self.angles(positions)
         if self.ops is not None and qkv.device.type == "cpu" and qkv.stride(-1) == 1 and qkv.dtype == cos.dtype:
             q, k, v = self.ops.rope_qkv(qkv, cos, sin, heads, kv_heads)
             return q, k, v
@@ -119,7 +134,7 @@ class RotaryEmbedding:
         return (rotate_halves(q.view(T, heads, D), cos, sin), rotate_halves(k.view(T, kv_heads, D), cos, sin),
                 v.view(T, kv_heads, D))
 
-    def _angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, head_dim/2] of these positions, looked up once for every layer of a
         forward pass (each layer rotates q and k by the same positions tensor)."""
         if self._last is None or self._last[0] is not positions:
@@ -127,7 +142,7 @@ class RotaryEmbedding:
         return self._last[1], self._last[2]
 
 
-class LlamaAttention(DirectCall, nn.Module):
+class LlamaAttention(DirectCall, FastPath, nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -139,13 +154,13 @@ class LlamaAttention(DirectCall, nn.Module):
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
         self.attn = Attention(layer_idx, self.head_dim ** -0.5)
+        self.fused_qkv: Optional[nn.Module] = None  # q, k and v packed as one product (packed.fuse)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
         T = x.shape[0]
-        fused = self._modules.get("fused_q_k_v")  # packed q, k and v: one product (packed.fuse)
-        if fused is not None:  # rotated and split in one call
-            q, k, v = rope.rotate_qkv(fused.fused(x), positions, self.num_heads, self.num_kv_heads)
+        if self.fused_qkv is not None:  # rotated and split in one call
+            q, k, v = rope.rotate_qkv(self.fused_qkv.fused(x), positions, self.num_heads, self.num_kv_heads)
         else:
             q = rope(self.q_proj(x).view(T, self.num_heads, self.head_dim), positions)
             k = rope(self.k_proj(x).view(T, self.num_kv_heads, self.head_dim), positions)
@@ -153,8 +168,24 @@ class LlamaAttention(DirectCall, nn.Module):
         out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """A fused q|k|v product rotated and split by the kernel (the eager path's choice for
+        such a product on CPU in the tables' dtype)."""
+        ops = env.cpu_ops
+        if ops is None or self.fused_qkv is None:
+            return {}
+        qkv, rope_qkv, attn, o_proj = self.fused_qkv.fused, ops.rope_qkv, self.attn, self.o_proj
+        heads, kv_heads = self.num_heads, self.num_kv_heads
 
-class LlamaMLP(DirectCall, nn.Module):
+        def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                    ctx: ForwardContext) -> torch.Tensor:
+            cos, sin = rope.angles(positions)
+            q, k, v = rope_qkv(qkv(x), cos, sin, heads, kv_heads)
+            return o_proj(attn(q, k, v, ctx).reshape(x.shape[0], -1))  # type: ignore[no-any-return]
+        return {"forward": forward}
+
+
+class LlamaMLP(DirectCall, FastPath, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
@@ -164,15 +195,26 @@ class LlamaMLP(DirectCall, nn.Module):
         # is a scalar loop, slower than torch's two ops even on one row (9 vs 6 us; 5x on 64 rows)
         ops = kernels.load("layer_ops")
         self.ops = ops if ops is not None and ops.isa() != "portable" else None
+        self.fused_gate_up: Optional[nn.Module] = None  # gate and up packed as one product (packed.fuse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = self._modules.get("fused_gate_up")  # packed gate and up: one product (packed.fuse)
+        fused = self.fused_gate_up
         if fused is not None and self.ops is not None and x.dim() == 2 and x.device.type == "cpu":
             return self.down_proj(self.ops.silu_mul_halves(fused.fused(x)))  # split inside the call
         gate, up = fused.split(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
         if self.ops is not None and gate.dim() == 2 and gate.device.type == "cpu" and gate.stride(-1) == 1:
             return self.down_proj(self.ops.silu_mul(gate, up))
         return self.down_proj(F.silu(gate) * up)
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """A fused gate|up product through silu(gate) * up in one call (the vector builds)."""
+        if env.cpu_ops is None or self.ops is None or self.fused_gate_up is None:
+            return {}
+        gate_up, silu_mul_halves, down = self.fused_gate_up.fused, self.ops.silu_mul_halves, self.down_proj
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            return down(silu_mul_halves(gate_up(x)))  # type: ignore[no-any-return]
+        return {"forward": forward}
 
 
 class LlamaDecoderLayer(DirectCall, nn.Module):
@@ -222,8 +264,6 @@ class LlamaForCausalLM(nn.Module):
         self.model = self.model_class(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope: Optional[RotaryEmbedding] = None
-        # the runner's flat loop for decode steps (kvserve.runner.decode_plan; None: the modules)
-        self.decode_plan: Optional[DecodePlan] = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -250,9 +290,6 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None, "call init_rope() after loading weights"
-        plan = self.decode_plan
-        if plan is not None and plan.covers(input_ids.shape[0], ctx):
-            return plan(input_ids, positions, ctx)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, positions, self.rope, ctx, residual)

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.models.direct import DirectCall
+from kvserve.modules import DirectCall
 
 BLOCK = 32
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
@@ -304,14 +304,17 @@ class FusedPart(nn.Module):
         return self.group[0].product(x)[..., self.start:self.end]
 
 
-def fuse(owner: nn.Module, names: list[str]) -> None:
-    """Fuse owner's packed linears `names` (same input, format and bias presence) in place."""
+def fuse(owner: nn.Module, names: list[str], into: str) -> None:
+    """Fuse owner's packed linears `names` (same input, format and bias presence) in place, the
+    group going to owner's attribute `into` (one the owner declares, as None)."""
+    if getattr(owner, into, False) is not None:
+        raise AttributeError(f"{type(owner).__name__} declares no {into!r} (None) to fuse {names} into")
     parts = [getattr(owner, n) for n in names]
     if not all(isinstance(p, PackedLinear) for p in parts) or len({(p.fmt, p.in_features, p.bias is None)
                                                                    for p in parts}) != 1:
         return
     group = FusedPacked(parts)
-    setattr(owner, "fused_" + "_".join(n.removesuffix("_proj") for n in names), group)
+    setattr(owner, into, group)
     start = 0
     for n, p in zip(names, parts):
         setattr(owner, n, FusedPart(group, start, start + p.out_features))

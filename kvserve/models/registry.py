@@ -140,9 +140,9 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
     for name, p in packed.items():
         _adopt_packed(model, name.removesuffix(".weight"), p, dtype)
     for layer in model.model.layers:  # one kernel call for q, k, v and one for gate, up
-        fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"])
+        fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"], "fused_qkv")
         if hasattr(layer.mlp, "gate_proj"):
-            fuse(layer.mlp, ["gate_proj", "up_proj"])
+            fuse(layer.mlp, ["gate_proj", "up_proj"], "fused_gate_up")
     embed = model.model.embed_tokens
     if tied and isinstance(embed, PackedEmbedding):  # the head reads the embedding's packed table
         model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim)))

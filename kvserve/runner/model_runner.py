@@ -26,11 +26,12 @@ from kvserve.attention.layer import ForwardContext, install
 from kvserve.core.block_math import cdiv
 from kvserve.core.kv_cache_manager import BlockCopies
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
+from kvserve import kernels
 from kvserve.kv.storage import KVStorage
+from kvserve.modules import FastPathEnv, bind_fast_path, unbind_fast_path
 from kvserve.models import linear
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.runner.block_table import BlockTables
-from kvserve.runner.decode_plan import DecodePlan
 from kvserve.runner.sampler import Sampler
 
 
@@ -101,8 +102,8 @@ class ModelRunner:
             linear.use_onednn(model)  # every product of a weight no other module shares
         if self.device.type == "cpu" and dtype == torch.bfloat16:
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
-        if isinstance(model, LlamaForCausalLM):  # decode steps as one flat loop where it applies
-            model.decode_plan = DecodePlan.build(model, self.backend)
+        self.fast_path: dict[str, list[str]] = {}
+        self.use_fast_path(True)
         # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
         self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
@@ -112,6 +113,18 @@ class ModelRunner:
         self.mirror: Optional[StepMirror] = None
         # K/V handed over by a prefill engine, by request, until its admission loads it
         self.kv_sources: dict[str, KVStorage] = {}
+
+    def use_fast_path(self, enabled: bool) -> dict[str, list[str]]:
+        """Run the model's fast path (each module's kernel choices bound once, kvserve.modules)
+        or its eager modules; the two give the same hidden states bit for bit. Returns what is
+        bound, by module name. Bound again after anything that changes a module's weights or
+        kernels (the linear backends above are chosen first)."""
+        unbind_fast_path(self.model)
+        self.fast_path = {}
+        if enabled:
+            env = FastPathEnv(self.device, self.model.dtype, kernels.load("layer_ops"), self.storage)
+            self.fast_path = bind_fast_path(self.model, env)
+        return self.fast_path
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply_copies(out.copies)

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.cpu_kernel import decode_kernel
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.kv.storage import DenseKVStorage
 from tests.conftest import compiled_kernel, kernel_isas, make_engine
@@ -165,8 +166,7 @@ def test_kernel_over_quantized_blocks_equals_dequantize_then_attend(kernel_modul
     meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=len(lens), decode_block_tables=tables,
                                                     decode_context_lens=n, decode_max_context=int(n.max())), None)
     ref = backend.decode(0, q, storage, meta, D ** -0.5)  # gathers, dequantizes, SDPA
-    entry, operands = storage.decode_operands(0)
-    out = getattr(kernel_module, entry)(q, *operands, tables, n, D ** -0.5, 0)
+    out = decode_kernel(kernel_module, storage)(q, *storage.decode_operands(0), tables, n, D ** -0.5, 0)
     assert (out - ref).abs().max().item() < 1e-5
 
 
@@ -185,8 +185,8 @@ def test_kernel_reads_a_bf16_cache_for_fp32_queries(kernel_module):
     meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=3, decode_block_tables=tables,
                                                     decode_context_lens=n, decode_max_context=int(n.max())), None)
     ref = backend.decode(0, q, storage, meta, 0.125)
-    entry, operands = storage.decode_operands(0)
-    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125, 0) - ref).abs().max().item() < 1e-5
+    out = decode_kernel(kernel_module, storage)(q, *storage.decode_operands(0), tables, n, 0.125, 0)
+    assert (out - ref).abs().max().item() < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
@@ -206,5 +206,5 @@ def test_kernel_attends_to_the_last_window_positions_only(kernel_module, fmt, wi
                                                     decode_context_lens=n, decode_max_context=int(n.max()),
                                                     sliding_window=window), None)
     ref = backend.decode(0, q, storage, meta, 0.125)
-    entry, operands = storage.decode_operands(0)
-    assert (getattr(kernel_module, entry)(q, *operands, tables, n, 0.125, window) - ref).abs().max().item() < 1e-5
+    out = decode_kernel(kernel_module, storage)(q, *storage.decode_operands(0), tables, n, 0.125, window)
+    assert (out - ref).abs().max().item() < 1e-5

@@ -11,7 +11,7 @@ def test_parts_add_up_to_the_step_and_the_methods_come_back(stories):
     engine.add_request(None, [1, 2, 3], greedy(40))
     engine.step()
     original = RMSNorm.forward
-    with StepBreakdown() as b:
+    with StepBreakdown(engine.model) as b:
         for _ in range(8):
             engine.step()
     assert RMSNorm.forward is original

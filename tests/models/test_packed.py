@@ -44,7 +44,7 @@ def test_float_weights_packed_at_load(stories, weight_dtype, fmt, bound):
     error of the float model's (observed: int8 0.7%, int4 ~5% relative), int8 greedy unchanged."""
     packed = make_engine(stories, max_model_len=256, weight_dtype=weight_dtype)
     layer = packed.model.model.layers[0]
-    fused = layer.self_attn.fused_q_k_v.fused  # q, k and v packed, then fused into one product
+    fused = layer.self_attn.fused_qkv.fused  # q, k and v packed, then fused into one product
     assert isinstance(layer.self_attn.q_proj, FusedPart) and fused.fmt.name == fmt and fused.out_features == 128
     assert not isinstance(layer.mlp.down_proj, PackedLinear)
     prompts = ["Once upon a time", "Lily and Tom went to the park"]

@@ -1,0 +1,107 @@
+"""Module machinery shared by the model and attention floors: modules called straight through to
+`forward`, and the fast path a runner binds into them.
+
+DirectCall. A decode step calls about ten modules per layer, 300 for SmolLM2, and
+`nn.Module.__call__` spends about 2.5 us on each before `forward` runs (hook dictionaries,
+tracing state): 0.75 ms a step next to a step of about 10 ms. kvserve registers no hooks on its
+models, so the layers it calls every step skip that machinery. A hook registered on one of them
+would not run: register it on the model instead.
+
+FastPath. A module's `forward` is its eager definition: it checks, call by call, which kernel
+its inputs can take (device, dtype, layout) and falls back to torch. Once a model is loaded on
+its device and its attention backend installed, those answers are the same at every step, so a
+module can say once what it would call (`fast_methods`), and `bind_fast_path` puts those
+functions in the module's place: the same kernels on the same arguments in the same order, so
+hidden states equal the eager modules' bit for bit, without the checks. The runner decides
+whether a model runs bound (fast) or eager; a model file only says, per building block, what
+its fast form is. A new architecture assembled from the building blocks is fast with no code of
+its own, and a subclass that redefines a method without redefining `fast_methods` keeps its
+eager method (its fast form would not be its own).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+
+class DirectCall:
+    """Mix in before nn.Module: calling the module calls its forward, and nothing else."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class FastPathEnv:
+    """What a module needs to know to choose its kernels once: where the model runs, its
+    activations' dtype, the compiled layer kernels (kvserve.kernels' layer_ops, None where they
+    are not built or turned off) and the KV storage the attention layers write (None: no cache)."""
+
+    device: torch.device
+    dtype: torch.dtype
+    layer_ops: Optional[Any] = None
+    storage: Optional[Any] = None
+
+    @property
+    def cpu_ops(self) -> Optional[Any]:
+        """The layer kernels where they apply (a CPU model), else None."""
+        return self.layer_ops if self.device.type == "cpu" else None
+
+
+class FastPath:
+    """Mix in to a module that has a fast form. `fast_methods(env)` returns the functions to use
+    in place of some of its methods (by name) for this env, or {} where the eager ones must run.
+    Binding happens children first, so a module's fast form may call its children's bound ones."""
+
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., Any]]:
+        return {}
+
+    def bind(self, env: FastPathEnv) -> list[str]:
+        """Put this module's fast methods in place for env; returns the names bound."""
+        self.unbind()
+        methods = self.fast_methods(env)
+        own: type = _definer(type(self), "fast_methods")
+        bound = [name for name in methods if _definer(type(self), name) is not None
+                 and issubclass(own, _definer(type(self), name))]
+        for name in bound:  # in the instance's dict, in front of the class's method
+            object.__setattr__(self, name, methods[name])
+        object.__setattr__(self, "_fast_bound", tuple(bound))
+        return bound
+
+    def unbind(self) -> None:
+        """Back to the eager methods."""
+        for name in self.__dict__.pop("_fast_bound", ()):
+            self.__dict__.pop(name, None)
+
+    @property
+    def fast_bound(self) -> tuple[str, ...]:
+        return tuple(self.__dict__.get("_fast_bound", ()))
+
+
+def _definer(cls: type, name: str) -> Any:
+    """The class in cls's MRO whose own body defines `name` (None: none does)."""
+    return next((c for c in cls.__mro__ if name in c.__dict__), None)
+
+
+def bind_fast_path(model: nn.Module, env: FastPathEnv) -> dict[str, list[str]]:
+    """Bind every FastPath module of the model, children before their parents; returns the bound
+    method names by module name (modules that bound nothing left out)."""
+    named = list(model.named_modules())
+    bound = {}
+    for name, module in reversed(named):  # pre-order reversed: every child before its parent
+        if isinstance(module, FastPath):
+            methods = module.bind(env)
+            if methods:
+                bound[name] = methods
+    return bound
+
+
+def unbind_fast_path(model: nn.Module) -> None:
+    """Every module of the model back to its eager methods."""
+    for module in model.modules():
+        if isinstance(module, FastPath):
+            module.unbind()
