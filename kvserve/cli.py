@@ -12,8 +12,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from kvserve.config import OptionError, canonical_dtype, check_at_least, env_api_key
-from kvserve.engine.args import add_engine_args, engine_config, engine_options, make_engine, options_from
+from kvserve.config import DEFAULT_MODEL, OptionError, canonical_dtype, check_at_least, env_api_key
+from kvserve.engine.args import add_engine_args, add_option_flags, engine_config, engine_options, options_from
 
 
 class UserError(Exception):
@@ -55,7 +55,8 @@ def sampling_params(a: argparse.Namespace):  # type: ignore[no-untyped-def]
 
 
 def engine_from(a: argparse.Namespace):  # type: ignore[no-untyped-def]
-    return make_engine(a.model, **engine_options(a))
+    from kvserve.engine.llm_engine import LLMEngine
+    return LLMEngine.from_options(a.model, **engine_options(a))
 
 
 # ---- generate ----
@@ -202,6 +203,17 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
     return "MQA" if kv_heads == 1 else f"GQA ({heads // kv_heads} query heads per KV head)"
 
 
+# The engine options `kvserve memory` costs a cache by, with its own words for some
+MEMORY_OPTIONS = ("kv_cache_dtype", "dtype", "block_size", "sliding_window", "attention_sinks",
+                  "tensor_parallel_size")
+MEMORY_HELP = {
+    "kv_cache_dtype": "auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4",
+    "dtype": "the model dtype (what auto means)",
+    "sliding_window": "window every layer (see kvserve generate)",
+    "tensor_parallel_size": "also what each of N tensor-parallel ranks holds",
+}
+
+
 def cmd_memory(a: argparse.Namespace) -> int:
     for option in ("batch", "tensor_parallel_size") + (("context",) if a.context is not None else ()):
         check_at_least(option, getattr(a, option), 1)
@@ -334,12 +346,13 @@ def cmd_visualize(a: argparse.Namespace) -> int:
 def cmd_serve(a: argparse.Namespace) -> int:
     from kvserve.server.args import ServeOptions
     options = options_from(ServeOptions, a)  # every setting checked before the model loads ...
-    engine_config(a.model, **engine_options(a))  # ... here, not in each replica of -dp N
+    engine = engine_options(a)
+    engine_config(a.model, **engine)  # ... here, not in each replica of -dp N
     if options.data_parallel_size > 1:
         from kvserve.server.replicas import serve_replicas
-        return serve_replicas(a.model, engine_options(a), options)
+        return serve_replicas(a.model, engine, options)
     from kvserve.server.app import serve
-    return serve(a.model, engine_options(a), options)
+    return serve(a.model, engine, options)
 
 
 def cmd_router(a: argparse.Namespace) -> int:
@@ -374,17 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=512)
     m = sub.add_parser("memory", help="KV cache size per token and in total")
-    m.add_argument("--model", default="SmolLM2-135M-Instruct", help="model file or a known name")
+    m.add_argument("--model", default=DEFAULT_MODEL, help="model file or a known name")
     m.add_argument("--context", type=int, default=None, help="tokens per sequence (default: model's)")
     m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--kv-cache-dtype", default="auto",
-                   help="auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4")
-    m.add_argument("--dtype", default="float32", help="the model dtype (what auto means)")
-    m.add_argument("--block-size", type=int, default=16)
-    m.add_argument("--sliding-window", type=int, default=None, help="window every layer (see kvserve generate)")
-    m.add_argument("--attention-sinks", type=int, default=0)
-    m.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="also what each of N tensor-parallel ranks holds")
+    add_option_flags(m, MEMORY_OPTIONS, MEMORY_HELP)
     m.add_argument("--json", action="store_true")
     m.set_defaults(func=cmd_memory)
     e = sub.add_parser("eval", help="evaluations through the real cache")

@@ -3,14 +3,21 @@
 Dtypes are named by strings ("float32", "bfloat16", ...) so this module and `core/` never import
 torch. Environment variables are read here and nowhere else (`env_api_key`, `env_kernel_mode`,
 `env_cxx`).
+
+Every engine option is declared once, here, as a field made by `option(...)`: the field gives
+its type and its default and `__post_init__` validates it; the option's metadata gives its help
+and choices, and its flat name (as `LLM(...)` takes it), flag and conversion from what the flag
+parses where they differ from the field's. `kvserve.engine.args` builds the command line's
+flags and the flat options from these fields; nothing else writes a default down.
 """
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 # Bytes per element of the model dtypes. The KV cache's own formats (fp8, int8, int4 with their
 # scales) are costed in kvserve.kv.formats.
@@ -22,6 +29,10 @@ PACKED_ACTIVATIONS = ("float", "int8")  # what packed weights multiply by
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
+KV_LAYOUTS = ("paged", "contiguous")
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model `LLM()` and the command line load unless told
 
 
 class OptionError(ValueError):
@@ -46,6 +57,63 @@ def check_at_least(option: str, value: Any, minimum: int, integer: bool = True) 
     if not (is_number and value >= minimum):
         what = "an integer" if integer else "a number"
         raise OptionError(option, f"must be {what} >= {minimum}, got {value!r}")
+
+
+def check_seconds(option: str, value: object) -> None:
+    """A finite number of seconds >= 0 (the grace asyncio waits, a logging period)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise OptionError(option, f"must be a number of seconds >= 0, got {value!r}")
+
+
+# (the option as its flag names it, the value the flag parsed) -> the option's value
+FlagConversion = Callable[[str, Any], Any]
+
+
+def option(default: Any, help: Optional[str] = None, *, name: Optional[str] = None,
+           flags: tuple[str, ...] = (), choices: Optional[Sequence[str]] = None,
+           metavar: Optional[str] = None, flag_type: Optional[type] = None,
+           from_flag: Optional[FlagConversion] = None) -> Any:
+    """A config field that is an engine option, with its default; the rest is how front ends name it.
+
+    name: its flat name, as `LLM(...)` takes it (default: the field's).
+    flags: its command-line spellings (default: "--" and the flat name with dashes). A bool
+        option's flag sets the opposite of its default (`--no-cache` sets use_cache False); two
+        options may share one flag, the first declared parsing it, each converting its value.
+    flag_type, from_flag: what the flag parses (default: the field's type), and how that value
+        becomes the option's (from_flag(name, value); default: as it is).
+    """
+    spec = dict(help=help, name=name, flags=flags, choices=tuple(choices) if choices else None,
+                metavar=metavar, flag_type=flag_type, from_flag=from_flag)
+    return field(default=default, metadata={"option": spec})
+
+
+def whole_bytes(option: str, value: float) -> int:
+    """A byte count given as a float (1e9 on the command line); inf and NaN are no count."""
+    if not math.isfinite(value):
+        raise OptionError(option, f"must be a number of bytes, got {value:g}")
+    return int(value)
+
+
+def kv_memory_bytes(option: str, value: Optional[float]) -> Optional[int]:
+    """--kv-cache-memory past 1 is bytes; a fraction (0, 1] is `kv_memory_fraction`'s."""
+    if value is None or 0 < value <= 1:
+        return None
+    if value > 1:
+        return whole_bytes(option, value)
+    raise OptionError(option, f"must be bytes (> 1) or a fraction of free memory in (0, 1], got {value:g}")
+
+
+def kv_memory_fraction(option: str, value: Optional[float]) -> Optional[float]:
+    """--kv-cache-memory in (0, 1] is a fraction of the device's free memory."""
+    return value if value is not None and 0 < value <= 1 else None
+
+
+def seconds_or_none(option: str, value: Optional[float]) -> Optional[float]:
+    """A period in seconds where 0 means never (None)."""
+    if value is None:
+        return None
+    check_seconds(option, value)
+    return value or None
 
 
 def canonical_dtype(name: str) -> str:
@@ -167,20 +235,31 @@ class CacheConfig:
     whose block size is the slab, so both layouts share the attention path and the accounting.
     """
 
-    block_size: int = 16
-    layout: str = "paged"
-    num_blocks: Optional[int] = None
-    memory_bytes: Optional[int] = None  # budget for K and V of all layers
-    memory_fraction: Optional[float] = None  # of the device's free memory
-    kv_cache_dtype: str = "auto"  # "auto": the model dtype; fp8_e4m3, fp8_e5m2, int8, int4 quantize
-    kv_cache_scales: Optional[str] = None  # fp8: a JSON file of scales (default: calibrated at start)
-    enable_prefix_caching: bool = True
-    swap_space_bytes: int = 1 << 30
-    sliding_window: Optional[int] = None  # every layer attends to its last W positions (a bounded cache)
-    attention_sinks: int = 0  # and to the first S positions, which count within W (StreamingLLM)
+    block_size: int = option(16)
+    layout: str = option("paged", name="kv_layout", choices=KV_LAYOUTS)
+    num_blocks: Optional[int] = option(None)
+    memory_bytes: Optional[int] = option(  # budget for K and V of all layers
+        None, "bytes for the KV cache, or a fraction (0, 1] of free device memory", name="kv_cache_memory",
+        flag_type=float, from_flag=kv_memory_bytes)
+    memory_fraction: Optional[float] = option(  # of the device's free memory
+        None, name="kv_cache_memory_fraction", flags=("--kv-cache-memory",), from_flag=kv_memory_fraction)
+    kv_cache_dtype: str = option(
+        "auto", "KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
+                "fp8_e5m2, int8 or int4 (see docs/cache.md, memory and the cache's formats)")
+    kv_cache_scales: Optional[str] = option(
+        None, "fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")
+    enable_prefix_caching: bool = option(True, flags=("--no-prefix-caching",))
+    swap_space_bytes: int = option(1 << 30, "bytes of CPU swap for preemption", name="swap_space",
+                                   flag_type=float, from_flag=whole_bytes)
+    sliding_window: Optional[int] = option(  # a bounded cache
+        None, "every layer attends to its last W tokens and frees the blocks behind them; "
+              "sequences may then grow past --max-model-len")
+    attention_sinks: int = option(
+        0, "with a sliding window: also attend to the first S tokens (StreamingLLM), which "
+           "count within the window")
 
     def __post_init__(self) -> None:
-        if self.layout not in ("paged", "contiguous"):
+        if self.layout not in KV_LAYOUTS:
             raise ValueError(f"kv layout must be 'paged' or 'contiguous', got {self.layout!r}")
         check_at_least("block_size", self.block_size, 1)
         if self.num_blocks is not None:
@@ -204,12 +283,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_prefill_chunk: Optional[int] = None  # None: up to the token budget
-    policy: str = "fcfs"
-    preemption_mode: str = "recompute"
-    max_waiting: Optional[int] = None
+    max_num_seqs: int = option(64)
+    max_num_batched_tokens: int = option(2048)
+    max_prefill_chunk: Optional[int] = option(None)  # None: up to the token budget
+    policy: str = option("fcfs", flags=("--scheduling-policy",), choices=SCHEDULING_POLICIES)
+    preemption_mode: str = option("recompute", choices=PREEMPTION_MODES)
+    # None: no bound (LLM.generate queues every prompt at once); `kvserve serve` sets one
+    max_waiting: Optional[int] = option(None, "queue bound; beyond it, 503")
 
     def __post_init__(self) -> None:
         check_at_least("max_num_seqs", self.max_num_seqs, 1)
@@ -218,9 +298,9 @@ class SchedulerConfig:
             check_at_least("max_prefill_chunk", self.max_prefill_chunk, 1)
         if self.max_waiting is not None:  # 0 would refuse every request: each waits before its first step
             check_at_least("max_waiting", self.max_waiting, 1)
-        if self.policy not in ("fcfs", "priority"):
+        if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
-        if self.preemption_mode not in ("recompute", "swap"):
+        if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
 
 
@@ -233,12 +313,18 @@ class SpeculativeConfig:
     """Speculative decoding: a proposer guesses num_speculative_tokens tokens; the model
     verifies them in one pass. Off while more than disable_batch_size requests run."""
 
-    method: Optional[str] = None  # None (off), "ngram" or "draft"
-    num_speculative_tokens: int = 4
-    speculative_model: Optional[str] = None  # the draft model (method "draft")
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
-    disable_batch_size: int = SPEC_DISABLE_BATCH_SIZE
+    method: Optional[str] = option(  # None: off
+        None, "speculative decoding: ngram (prompt lookup) or draft (--speculative-model)",
+        name="speculative", choices=SPEC_METHODS)
+    num_speculative_tokens: int = option(4, "tokens guessed a step")
+    speculative_model: Optional[str] = option(None, "the draft model (same vocabulary)")  # method "draft"
+    prompt_lookup_min: int = option(
+        1, "ngram: the fewest last tokens of a sequence looked up earlier in it")
+    prompt_lookup_max: int = option(3, "ngram: the most (the longest match is tried first)")
+    disable_batch_size: int = option(
+        SPEC_DISABLE_BATCH_SIZE,
+        "no guessing while more requests than this run (it costs more than it saves)",
+        name="speculative_disable_batch_size")
 
     def __post_init__(self) -> None:
         if self.method is not None and self.method not in SPEC_METHODS:
@@ -264,8 +350,12 @@ class ParallelConfig:
     are started by multiprocessing on this machine ("mp") or as Ray actors ("ray"), which Ray
     may place on other machines."""
 
-    tensor_parallel_size: int = 1
-    distributed_executor_backend: str = "mp"
+    tensor_parallel_size: int = option(
+        1, "split the model's heads and MLP over N processes (gloo on CPU, NCCL on CUDA); "
+           "each holds 1/N of the weights and of every cache block", flags=("--tensor-parallel-size", "-tp"))
+    distributed_executor_backend: str = option(
+        "mp", "how tensor-parallel workers start: mp (processes on this machine) or ray "
+              "(Ray actors, on the machines of a running Ray cluster)", choices=EXECUTOR_BACKENDS)
 
     def __post_init__(self) -> None:
         check_at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
@@ -276,28 +366,44 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "SmolLM2-135M-Instruct"
-    tokenizer: Optional[str] = None
-    device: str = "cpu"
-    dtype: str = "float32"
-    max_model_len: Optional[int] = None  # None: the model's context length
-    seed: int = 0
-    use_cache: bool = True  # False: recompute the whole sequence every step (the reference)
+    model: str = DEFAULT_MODEL  # not an option: `LLM(model)` and `--model` name it first
+    tokenizer: Optional[str] = option(None, "tokenizer file, if not beside the model")
+    device: str = option("cpu", "cpu or cuda[:N]")
+    dtype: str = option("float32", "float32 | bfloat16 | float16")
+    max_model_len: Optional[int] = option(  # None: the model's context length
+        None, "the longest sequence (default: the model's context); longer than the model was "
+              "trained on is allowed, with a warning")
+    seed: int = option(0)
+    use_cache: bool = option(  # False: recompute the whole sequence every step
+        True, "recompute every token every step (reference)", flags=("--no-cache",))
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    log_stats_interval_s: Optional[float] = None
-    attention_backend: str = "auto"  # auto: the compiled CPU kernel where it builds, else torch
-    linear_backend: str = "auto"  # auto: bf16/fp32 on CPU through oneDNN, weights reordered once (models/linear.py)
-    trace_path: Optional[str] = None  # write what every step did to the cache here (kvserve visualize)
-    # weights: auto keeps a GGUF's block formats packed (Q8_0/Q4_0/Q4_1), float ones in `dtype`;
-    # float32/bfloat16/float16 (= dtype) dequantize everything; int8/int4 pack float weights (Q8_0/Q4_1)
-    weight_dtype: str = "auto"
-    # float: packed products equal dequantize-then-multiply in fp32; int8: a few rows of
-    # activations are quantized to 8 bits per 32-block and multiplied by Q4_0/Q4_1 weights in
-    # integer dot products (llama.cpp's arithmetic; each activation off by up to half a step)
-    packed_activations: str = "float"
+    log_stats_interval_s: Optional[float] = option(  # None: no stats log; `kvserve serve` sets one
+        None, "seconds between the engine's stats lines in the log (0: none)",
+        flags=("--log-stats-interval",), from_flag=seconds_or_none)
+    attention_backend: str = option(
+        "auto", "decode attention: the compiled CPU kernel (auto, where it builds) or torch",
+        choices=KERNEL_BACKENDS)
+    linear_backend: str = option(  # models/linear.py
+        "auto", "dense linear layers on CPU. auto: bf16 and fp32 through oneDNN with each weight "
+                "reordered once at load (where PyTorch has oneDNN), and 1-4 bf16 rows of a shared weight "
+                "(a tied head) through the compiled kernel where the CPU has AVX512-BF16; cpu-kernel: "
+                "1-4 bf16 rows of every weight through the compiled kernel; torch: the stock F.linear",
+        choices=KERNEL_BACKENDS)
+    trace_path: Optional[str] = option(
+        None, "record what every step does to the cache (JSON lines; kvserve visualize --trace draws it)",
+        name="trace", metavar="FILE")
+    weight_dtype: str = option(
+        "auto", "weights: auto keeps a GGUF's Q8_0/Q4_0/Q4_1 packed (read by a compiled kernel), "
+                "float ones in --dtype; float32/bfloat16/float16 (= --dtype) dequantize everything; "
+                "int8/int4 pack float weights as Q8_0/Q4_1 at load", choices=WEIGHT_DTYPES)
+    packed_activations: str = option(
+        "float", "what packed Q8_0/Q4_0/Q4_1 weights multiply by: float (exact: dequantize-then-"
+                 "multiply in fp32) or int8 (activations quantized to 8 bits per 32-block, integer "
+                 "dot products as llama.cpp does, prompt and decode alike: faster at every batch "
+                 "size, each activation off by up to half a quantization step)", choices=PACKED_ACTIVATIONS)
 
     def __post_init__(self) -> None:
         dtype = canonical_dtype(self.dtype)

@@ -124,9 +124,9 @@ def load_hf_model(model_path: str, dtype: str) -> Any:
 
 def run_throughput(model: str, engine_options: dict[str, Any], o: ThroughputOptions) -> int:
     from kvserve.bench.plot import check_plot_path
-    from kvserve.engine.args import make_engine
+    from kvserve.engine.llm_engine import LLMEngine
     check_plot_path(o.plot)
-    engine = make_engine(model, **engine_options)
+    engine = LLMEngine.from_options(model, **engine_options)
     w = make_workload(o.num_prompts, engine.model_config.vocab_size, (o.input_len_min, o.input_len_max),
                       (o.output_len_min, o.output_len_max), o.bench_seed)
     max_num_seqs = engine.config.scheduler.max_num_seqs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterator, Optional, Sequence, Union
 
-from kvserve.engine.args import engine_config
+from kvserve.config import DEFAULT_MODEL
 from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.models.loaders.base import LoadedModel
@@ -13,11 +13,12 @@ from kvserve.core.sampling_params import SamplingParams
 
 
 class LLM:
-    """`LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`."""
+    """`LLM(model=..., **engine_options).generate(prompts, SamplingParams(...))`; the options are
+    those of the command line, by their flat names (kvserve.engine.args.ENGINE_OPTIONS)."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", loaded: Optional[LoadedModel] = None,
+    def __init__(self, model: str = DEFAULT_MODEL, loaded: Optional[LoadedModel] = None,
                  **options: Any) -> None:
-        self.engine = LLMEngine(engine_config(model, **options), loaded)
+        self.engine = LLMEngine.from_options(model, loaded, **options)
 
     @property
     def tokenizer(self):  # type: ignore[no-untyped-def]

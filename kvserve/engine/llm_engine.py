@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from kvserve.config import EngineConfig, ModelConfig
+from kvserve.config import DEFAULT_MODEL, EngineConfig, ModelConfig
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
@@ -190,8 +190,10 @@ class LLMEngine:
                     time.perf_counter() - t_cache)
 
     @classmethod
-    def from_options(cls, model: str = "SmolLM2-135M-Instruct", loaded: Optional[LoadedModel] = None,
+    def from_options(cls, model: str = DEFAULT_MODEL, loaded: Optional[LoadedModel] = None,
                      **options: Any) -> "LLMEngine":
+        """The one way to build an engine from options: flat, as `LLM(...)` and the command line
+        (`kvserve.engine.args.engine_options`) give them; an unknown one is a TypeError naming it."""
         return cls(engine_config(model, **options), loaded)
 
     def close(self) -> None:

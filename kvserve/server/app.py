@@ -658,13 +658,13 @@ def _joined(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> Optiona
 
 
 def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
+    """Serve an engine built from flat options (from `kvserve serve`'s flags, which bound the
+    waiting queue and log stats by default: SERVE_ENGINE_DEFAULTS)."""
     import uvicorn
 
     from kvserve.config import env_api_key
-    from kvserve.engine.args import make_engine
     logging.basicConfig(level=o.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = make_engine(model, **engine_options, max_waiting=o.max_waiting,
-                         log_stats_interval_s=o.log_stats_interval or None)  # 0: no stats log
+    engine = LLMEngine.from_options(model, **engine_options)
     name = o.served_model_name or _default_name(model)
     api_key = o.api_key or env_api_key()
     app = create_app(engine, name, api_key, o.max_body_bytes, o.tool_call_parser)

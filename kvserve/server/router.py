@@ -34,8 +34,8 @@ from urllib.parse import urlsplit
 
 from fastapi import Request  # the routes' parameter type, resolved from this module's names
 
-from kvserve.config import OptionError, check_at_least
-from kvserve.server.args import ServeOptions, check_port, check_seconds
+from kvserve.config import OptionError, check_at_least, check_seconds
+from kvserve.server.args import ServeOptions, check_port
 
 logger = logging.getLogger("kvserve")
 

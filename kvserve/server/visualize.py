@@ -50,8 +50,8 @@ def default_small_model() -> Optional[str]:
 
 def record_scenario(model: str, trace_path: Optional[str] = None, **options: Any) -> list[dict[str, Any]]:
     """The scenario's trace (also written to trace_path, as --trace writes one)."""
-    from kvserve.engine.args import make_engine
-    engine = make_engine(model, **{**SCENARIO_OPTIONS, **options})
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine.from_options(model, **{**SCENARIO_OPTIONS, **options})
     engine.trace = trace = StepTrace(engine, trace_path)
     pending = list(SCENARIO)
     step = 0

@@ -27,7 +27,7 @@ def nothing_starts(monkeypatch):
     serving forever."""
     def started(*args, **kwargs):
         raise AssertionError("got past the settings' checks")
-    monkeypatch.setattr("kvserve.engine.args.make_engine", started)
+    monkeypatch.setattr("kvserve.engine.llm_engine.LLMEngine.from_options", started)
     monkeypatch.setattr("kvserve.server.app._GracefulServer", started)
     monkeypatch.setattr("kvserve.server.replicas.serve_replicas", started)
 
@@ -75,7 +75,7 @@ def test_router_settings_that_cannot_work_are_refused_before_it_starts(capsys, n
 
 def test_the_options_dataclasses_check_what_they_are_given():
     """As the command line, so whoever builds them in Python (serve -dp builds its replicas')."""
-    assert ServeOptions(port=0, log_stats_interval=0).port == 0  # any free port; no stats log
+    assert ServeOptions(port=0).port == 0  # any free port
     with pytest.raises(OptionError, match=r"port must be in 0-65535") as e:
         ServeOptions(port=65536)
     assert e.value.option == "port" and e.value.as_flag.startswith("--port ")
