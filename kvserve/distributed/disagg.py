@@ -34,7 +34,7 @@ import torch.distributed as dist
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.distributed.handover import KVHandover, read_blocks
+from kvserve.engine.handover import KVHandover, read_blocks
 from kvserve.kv.storage import BlockTensorStorage
 
 HANDOVER_TIMEOUT = timedelta(minutes=30)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kvserve.config import ModelConfig
+from kvserve.engine.parallel import CommStats
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.packed import BLOCK, PackedWeight
 
@@ -119,15 +120,6 @@ def _columns(w: Weight, cols: slice) -> Weight:
             blocks = w.data.view(n, w.shape[1] // BLOCK, w.fmt.block_bytes)[:, cols.start // BLOCK:cols.stop // BLOCK]
             return PackedWeight(w.fmt, blocks.reshape(n, -1).contiguous(), (n, cols.stop - cols.start))
     return w[:, cols].contiguous()
-
-
-class CommStats:
-    """Time and bytes of this rank's collectives (the waiting for slower ranks included)."""
-
-    def __init__(self) -> None:
-        self.num_all_reduces = 0
-        self.all_reduce_bytes = 0
-        self.all_reduce_s = 0.0
 
 
 class RowParallel(nn.Module):

@@ -32,10 +32,13 @@ import torch.distributed as dist
 from kvserve.attention.backend import AttentionMetadata
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import BlockCopies
-from kvserve.distributed.tensor_parallel import CommStats, install_row_parallel, shard_weights
+from kvserve.distributed.tensor_parallel import check_shardable, install_row_parallel, shard_weights
+from kvserve.engine.llm_engine import allocate_cache
+from kvserve.engine.parallel import CommStats, TensorParallel
 from kvserve.kv.sizing import CachePlan
 from kvserve.models.loaders.base import LoadedModel
-from kvserve.runner.model_runner import CacheLayout
+from kvserve.models.registry import build_model
+from kvserve.runner.model_runner import CacheLayout, ModelRunner
 
 logger = logging.getLogger("kvserve")
 # a collective waits this long for the slowest rank; a dead rank fails it at once (its socket closes)
@@ -70,9 +73,6 @@ class Shard:
     """One worker rank: its model shard, its cache share and a runner to drive them."""
 
     def __init__(self, spec: ShardSpec, rank: int) -> None:
-        from kvserve.engine.llm_engine import allocate_cache
-        from kvserve.models.registry import build_model
-        from kvserve.runner.model_runner import ModelRunner
         c = spec.config
         torch.set_num_threads(spec.num_threads)
         self.device = device_of(c, rank)
@@ -276,3 +276,8 @@ def start(config: EngineConfig, loaded: LoadedModel, plan: CachePlan, layout: Ca
     except BaseException:
         torch.set_num_threads(before)
         raise
+
+
+# what the engine asks of tensor parallelism (kvserve.engine.parallel), provided through kvserve/__init__.py
+TENSOR_PARALLEL = TensorParallel(check_shardable=check_shardable, shard_weights=shard_weights,
+                                 install_row_parallel=install_row_parallel, start_ranks=start)

@@ -24,12 +24,12 @@ from kvserve.engine.beam_search import BeamSearch
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.trace import StepTrace
 from kvserve.engine.watchdog import Watchdog
-from kvserve.distributed import workers
-from kvserve.distributed.handover import KVHandover, KVIdentity
-from kvserve.distributed.tensor_parallel import CommStats, check_shardable, install_row_parallel, shard_weights
+from kvserve.engine.calibrate import calibrate_fp8
+from kvserve.engine.handover import KVHandover, KVIdentity
 from kvserve.engine.outputs import RequestOutput
+from kvserve.engine.parallel import CommStats, TensorParallel, tensor_parallel
 from kvserve import kernels
-from kvserve.kv.calibrate import calibrate_fp8, read_fp8_scales
+from kvserve.kv.calibrate import read_fp8_scales
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
 from kvserve.kv.sizing import CachePlan, cache_groups, is_bounded, plan_cache
 from kvserve.models.loaders.base import LoadedModel
@@ -92,12 +92,11 @@ def allocate_cache(config: EngineConfig, model: ModelConfig, plan: CachePlan, la
     return cache, swap
 
 
-def check_tensor_parallel(config: EngineConfig, model: ModelConfig) -> None:
+def check_tensor_parallel(config: EngineConfig, model: ModelConfig, tp: Optional[TensorParallel]) -> None:
     """What tensor parallelism does not serve yet, refused by name."""
-    world = config.parallel.tensor_parallel_size
-    if world == 1:
+    if tp is None:  # one rank
         return
-    check_shardable(model, world)
+    tp.check_shardable(model, config.parallel.tensor_parallel_size)
     if config.kv_cache_dtype.startswith("fp8"):
         raise ValueError("fp8 KV caches are not served with tensor parallelism yet (their per-head scales "
                          "are calibrated on the whole model): use int8, int4 or a float kv cache dtype")
@@ -127,15 +126,16 @@ class LLMEngine:
         if config.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {config.device!r} requested but CUDA is not available")
         world = config.parallel.tensor_parallel_size
-        check_tensor_parallel(config, loaded.config)
-        shard = shard_weights(loaded, 0, world)  # rank 0's share (the whole model at size 1)
+        tp = tensor_parallel(world)  # None for one rank; else kvserve.distributed's (engine/parallel.py)
+        check_tensor_parallel(config, loaded.config, tp)
+        shard = tp.shard_weights(loaded, 0, world) if tp is not None else loaded  # rank 0's share
         self.shard_config = shard.config  # what this rank's layers and cache hold
         self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype,
                                  config.packed_activations)
         t_model = time.perf_counter()
         self.comm = CommStats()
-        if world > 1:
-            install_row_parallel(self.model, self.comm)
+        if tp is not None:
+            tp.install_row_parallel(self.model, self.comm)
         self.model_id = loaded.model_id
         groups = cache_groups(loaded.config, config.cache, self.max_model_len)
         # windows the user asked for on every layer: a constant cache, so no limit on length
@@ -165,7 +165,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
         # ranks 1..N-1 hear every block move and forward pass before rank 0 runs it
-        self.workers = workers.start(config, loaded, self.plan, layout, layer_tensor)
+        self.workers = tp.start_ranks(config, loaded, self.plan, layout, layer_tensor) if tp else None
         self.runner.mirror = self.workers
         self.proposer = self._make_proposer(loaded)
         self.num_spec_proposed = self.num_spec_accepted = 0
@@ -244,7 +244,7 @@ class LLMEngine:
             self.proposer.propose(decoding, spec.num_speculative_tokens)
 
     def _set_fp8_scales(self, *storages: Optional[KVStorage]) -> None:
-        """fp8 scales: from the given file, or calibrated now (kvserve.kv.calibrate)."""
+        """fp8 scales: from the given file, or calibrated now (kvserve.engine.calibrate)."""
         fp8 = [s for s in storages if isinstance(s, Fp8KVStorage)]
         if not fp8:
             return

@@ -73,7 +73,7 @@ def test_fp8_table_is_every_code():
 @pytest.fixture(scope="module")
 def smollm2_kv(smollm2):
     """K and V of every layer of SmolLM2 over a real prompt, [layers, T, kvh, hd]."""
-    from kvserve.kv.calibrate import CALIBRATION_TEXT, _RecordingBackend
+    from kvserve.engine.calibrate import CALIBRATION_TEXT, _RecordingBackend
     from tests.conftest import make_engine
     engine = make_engine(smollm2, max_model_len=512)
     seen = {"k": [], "v": []}

@@ -7,6 +7,9 @@ scales, whole blocks in table order), and the identity of what computed them.
 
 A handover is loaded only where the identity matches (model, KV format, layers, unsharded KV
 heads, head size, block size): anything else would be read as the wrong numbers.
+
+The handover is the engine's own data (it states its identity, `LLMEngine.add_prefilled` loads
+one); what carries it between engines lives on the floor above (kvserve.distributed.disagg).
 """
 
 from __future__ import annotations
