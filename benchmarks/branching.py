@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 
 import torch

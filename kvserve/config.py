@@ -35,14 +35,24 @@ PREEMPTION_MODES = ("recompute", "swap")
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model `LLM()` and the command line load unless told
 
 
-class OptionError(ValueError):
+class FieldError(ValueError):
+    """A value a named field cannot take (a request's, an option's). The field travels as data
+    (`field`), so a front end names it (the server's `param`) without reading the message, which
+    starts with the field's name: 'tools: item 0 needs a function name'."""
+
+    def __init__(self, field: str, problem: str, separator: str = ": ") -> None:
+        super().__init__(f"{field}{separator}{problem}")
+        self.field, self.problem = field, problem
+
+
+class OptionError(FieldError):
     """A value an option cannot take. `option` is the option's name as `LLM(...)` and the
     options dataclasses take it; the command line spells it with dashes (num_blocks is
     --num-blocks), so each front end can name it as its user typed it."""
 
     def __init__(self, option: str, problem: str) -> None:
-        super().__init__(f"{option} {problem}")
-        self.option, self.problem = option, problem
+        super().__init__(option, problem, " ")
+        self.option = option
 
     @property
     def as_flag(self) -> str:

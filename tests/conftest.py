@@ -112,7 +112,7 @@ def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list
         for rid, row in zip(ids, rows):
             logits.setdefault(rid, []).append(row.clone())
 
-    engine.runner.logits_hook = hook
+    stop = engine.runner.on_logits.add(hook)
     ids = [engine.add_request(None, p, params) for p in prompts]
     done = {}
     while engine.has_unfinished():
@@ -120,7 +120,7 @@ def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list
             if out.finished:
                 done[out.request_id] = out
         engine.check_integrity()
-    engine.runner.logits_hook = None
+    stop()
     return [done[i] for i in ids], {i: logits[i] for i in ids}
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
+from kvserve.config import OptionError
+
 
 GREEDY_BELOW = 1e-5
 
@@ -96,7 +98,7 @@ class SamplingParams:
         ]
         for ok, name, rule in checks:
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+                raise OptionError(name, f"{rule}, got {getattr(self, name)!r}")
         if self.use_beam_search:
             self._validate_beam_search()
 
@@ -118,7 +120,7 @@ class SamplingParams:
         ]
         for ok, name, rule in checks:
             if not ok:
-                raise ValueError(f"{name} {rule}, got {getattr(self, name)!r}")
+                raise OptionError(name, f"{rule}, got {getattr(self, name)!r}")
 
     @property
     def is_greedy(self) -> bool:

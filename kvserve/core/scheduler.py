@@ -26,6 +26,7 @@ from typing import Callable, Optional
 from kvserve.config import SchedulerConfig
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.observers import Observers
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
 from kvserve.core.request import Request, RequestGroup, RequestStatus
@@ -70,7 +71,7 @@ class Scheduler:
         self._loads: list[tuple[str, list[int]]] = []  # this step's handed-over K/V to write
         # called with a request about to end, before its blocks go back (their K/V is still
         # whole until the next step runs): what a prefill engine hands over is read here
-        self.before_free: Optional[Callable[[Request], None]] = None
+        self.on_release: Observers[[Request]] = Observers()
         self._step_preemptions = 0
         self._failed: list[Request] = []  # ended with an error inside the scheduler, for the engine to report
         self.paused: set[str] = set()  # groups held out of the steps (pause, resume)
@@ -106,8 +107,8 @@ class Scheduler:
         req.num_kv_blocks = self.kv.num_held_blocks(request_id)
         if status == RequestStatus.FINISHED_ERROR:
             self.kv.forget_own_hashes(req)
-        elif self.before_free is not None:
-            self.before_free(req)
+        else:
+            self.on_release(req)
         self.kv.free(req)
         self._order.pop(request_id, None)
         self._finished_ids.append(request_id)

@@ -31,6 +31,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.distributed as dist
 
+from kvserve.config import DEFAULT_MODEL
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.request import Request, RequestStatus
 from kvserve.core.sampling_params import SamplingParams
@@ -138,7 +139,7 @@ class KVExporter:
         self._wanted: dict[str, SamplingParams] = {}  # request -> its own params (max_tokens)
         self._prompts: dict[str, Optional[str]] = {}
         self._ready: list[KVHandover] = []
-        engine.scheduler.before_free = self._capture
+        engine.scheduler.on_release.add(self._capture)
 
     def add(self, request_id: str, prompt: Union[str, Sequence[int]], params: SamplingParams) -> str:
         if params.n > 1 or params.use_beam_search:
@@ -228,7 +229,7 @@ class DisaggregatedLLM:
     """`LLM`'s generate over two engines: a prefill engine in its own process and a decode
     engine in this one, the K/V of every prompt handed over by torch.distributed (gloo)."""
 
-    def __init__(self, model: str = "SmolLM2-135M-Instruct", loaded: Optional[Any] = None,
+    def __init__(self, model: str = DEFAULT_MODEL, loaded: Optional[Any] = None,
                  prefill_options: Optional[dict[str, Any]] = None, **options: Any) -> None:
         import multiprocessing as mp
 

@@ -9,14 +9,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvserve.config import DEFAULT_MODEL, EngineConfig, ModelConfig
-from kvserve.core.block_math import num_blocks_for
+from kvserve.config import DEFAULT_MODEL, EngineConfig, FieldError, ModelConfig
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
+from kvserve.core.observers import Observers
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
 from kvserve.core.scheduler import Scheduler, group_width
 from kvserve.engine.args import engine_config
@@ -166,14 +166,15 @@ class LLMEngine:
                                   config.attention_backend, config.linear_backend)
         # ranks 1..N-1 hear every block move and forward pass before rank 0 runs it
         self.workers = tp.start_ranks(config, loaded, self.plan, layout, layer_tensor) if tp else None
-        self.runner.mirror = self.workers
+        if self.workers is not None:
+            self.runner.mirrors.append(self.workers)
         self.proposer = self._make_proposer(loaded)
         self.num_spec_proposed = self.num_spec_accepted = 0
         self._spec_window: dict[str, list[int]] = {}  # request -> [guessed, accepted] since last judged
         self._spec_paused: dict[str, int] = {}  # request -> the step its guessing resumes
         self.outputs = OutputProcessor(self.tokenizer)
-        # called with (request id, first position, logits [rows, vocab]) for prompt rows asked for
-        self.prompt_logits_hook: Optional[Callable[[str, int, torch.Tensor], None]] = None
+        # told (request id, first position, logits [rows, vocab]) of the prompt rows asked for
+        self.on_prompt_logits: Observers[[str, int, torch.Tensor]] = Observers()
         self._ids = itertools.count()
         self._ended_outside_step: list[Request] = []  # handed over finished: reported by the next step
         self.num_steps = self.num_generated_tokens = self.num_prompt_tokens_computed = 0
@@ -200,7 +201,8 @@ class LLMEngine:
         """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
         if self.workers is not None:
             self.workers.close()
-            self.workers = self.runner.mirror = None
+            self.runner.mirrors.remove(self.workers)
+            self.workers = None
 
     def _make_proposer(self, loaded: LoadedModel) -> Optional[Proposer]:
         spec = self.config.speculative
@@ -328,11 +330,11 @@ class LLMEngine:
             self._structured().grammar(params.structured)  # a ValueError naming the problem
         width = group_width(params)
         if width > self.config.scheduler.max_num_seqs:
-            raise ValueError(f"n: this request runs {width} sequences at once, more than the "
+            raise FieldError("n", f"this request runs {width} sequences at once, more than the "
                              f"{self.config.scheduler.max_num_seqs} the engine runs (--max-num-seqs)")
         budget = self.config.scheduler.max_num_batched_tokens
         if params.use_beam_search and width > budget:  # every beam computes a token in the same step
-            raise ValueError(f"beam_width: {width} beams step together, more than the {budget} tokens a step "
+            raise FieldError("beam_width", f"{width} beams step together, more than the {budget} tokens a step "
                              f"computes (--max-num-batched-tokens)")
         room = self.max_seq_len - (params.max_tokens > 0)  # room for one generated token, if any
         if len(ids) > room:
@@ -474,13 +476,12 @@ class LLMEngine:
 
     def _prompt_rows(self, seqs: Sequence[ScheduledSequence], result: ModelRunnerOutput) -> None:
         """Prompt chunks that asked for their rows: each row at position p scores prompt token
-        p + 1 (logprob, and the k most likely), and goes to `prompt_logits_hook` if one is set."""
+        p + 1 (logprob, and the k most likely), and goes to the `on_prompt_logits` observers."""
         for s in seqs:
             rows = result.logits.get(s.request_id)
             if rows is None or s.sampling_params.prompt_logprobs is None:
                 continue
-            if self.prompt_logits_hook is not None:
-                self.prompt_logits_hook(s.request_id, s.start_position, rows)
+            self.on_prompt_logits(s.request_id, s.start_position, rows)
             targets = s.prompt_token_ids[s.start_position + 1:s.start_position + 1 + len(rows)]
             if not targets:
                 continue

@@ -201,8 +201,9 @@ def _score_window(engine: Any, reference: Any, window: list[int], first: int, en
     """Rows at positions first - 1 .. end - 2 predict tokens first .. end - 1."""
     engines = [engine] if reference is None else [engine, reference]
     rows: list[list[tuple[int, torch.Tensor]]] = [[] for _ in engines]
+    stops = []
     for i, e in enumerate(engines):
-        e.prompt_logits_hook = lambda rid, start, logits, i=i: rows[i].append((start, logits))
+        stops.append(e.on_prompt_logits.add(lambda rid, start, logits, i=i: rows[i].append((start, logits))))
         e.add_request("ppl", window, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0))
     targets = torch.tensor(window)
     try:
@@ -223,8 +224,9 @@ def _score_window(engine: Any, reference: Any, window: list[int], first: int, en
             for r in rows:
                 r.clear()
     finally:
+        for stop in stops:
+            stop()
         for e in engines:
-            e.prompt_logits_hook = None
             e.abort("ppl")
 
 

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvserve.config import ModelConfig
+from kvserve.config import DEFAULT_MODEL, ModelConfig
 from kvserve.models.gemma import GemmaForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
@@ -19,7 +19,6 @@ from kvserve.models.loaders.base import LoadedModel, ModelLoadError
 from kvserve.models.packed import (BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize,
                                    use_int8_activations)
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -25,6 +25,7 @@ from kvserve.attention.backend import AttentionMetadata, PrefillSpan
 from kvserve.attention.layer import ForwardContext, install
 from kvserve.core.block_math import cdiv
 from kvserve.core.kv_cache_manager import BlockCopies
+from kvserve.core.observers import Observers
 from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput
 from kvserve import kernels
 from kvserve.kv.storage import KVStorage
@@ -104,13 +105,13 @@ class ModelRunner:
             linear.use_few_row_kernel(model, linear.kernel_for(linear_backend))
         self.fast_path: dict[str, list[str]] = {}
         self.use_fast_path(True)
-        # called with (request ids, logits [N, vocab]) for each sampled row: tests and tooling
-        self.logits_hook: Optional[Callable[[list[str], torch.Tensor], None]] = None
+        # told (request ids, logits [N, vocab]) of each sampled row: tests and tooling
+        self.on_logits: Observers[[list[str], torch.Tensor]] = Observers()
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
         # ("sample"): fault injection for tests
         self.fault_hook: Optional[Callable[[str, list[ScheduledSequence]], None]] = None
-        # the other tensor-parallel ranks: told every block move and forward before rank 0 runs it
-        self.mirror: Optional[StepMirror] = None
+        # told every block move and forward before this rank runs it (the other tensor-parallel ranks)
+        self.mirrors: list[StepMirror] = []
         # K/V handed over by a prefill engine, by request, until its admission loads it
         self.kv_sources: dict[str, KVStorage] = {}
 
@@ -134,12 +135,12 @@ class ModelRunner:
             return ModelRunnerOutput({})
         if self.fault_hook is not None:
             self.fault_hook("forward", inp.seqs)
-        if self.mirror is not None:
-            self.mirror.forward(inp.input_ids, inp.positions, inp.common)
+        for mirror in self.mirrors:
+            mirror.forward(inp.input_ids, inp.positions, inp.common)
         try:
             hidden = self.model(inp.input_ids, inp.positions, self.context(inp.common))
         except Exception as e:
-            if self.mirror is not None:  # the other ranks are inside the same forward: no retry can follow
+            if self.mirrors:  # the other ranks are inside the same forward: no retry can follow
                 raise FatalStepError(f"a tensor-parallel forward failed on rank 0: {_failure(e)}") from e
             raise
         return self._sample(hidden, inp)
@@ -194,8 +195,8 @@ class ModelRunner:
         """In BlockCopies' order: swap out, forget released blocks, swap in, copy on write."""
         if not copies or self.storage is None:
             return
-        if self.mirror is not None:
-            self.mirror.copies(copies)
+        for mirror in self.mirrors:
+            mirror.copies(copies)
         if copies.swap_out:
             assert self.swap_storage is not None
             self.storage.swap_out(self.swap_storage, copies.swap_out)
@@ -212,7 +213,7 @@ class ModelRunner:
         into the blocks the scheduler gave it, after this step's block moves."""
         for request_id, blocks in loads:
             source = self.kv_sources.pop(request_id)
-            assert self.storage is not None and self.mirror is None, "handed-over K/V needs one rank's cache"
+            assert self.storage is not None and not self.mirrors, "handed-over K/V needs one rank's cache"
             self.storage.swap_in(source, list(enumerate(blocks)))
 
     def _apply_table_updates(self, seqs: Sequence[ScheduledSequence]) -> None:
@@ -361,8 +362,8 @@ class ModelRunner:
         return result
 
     def _sample_plain(self, seqs: list[ScheduledSequence], rows: torch.Tensor, result: ModelRunnerOutput) -> None:
-        if self.logits_hook is not None:
-            self.logits_hook([s.request_id for s in seqs], rows)
+        if self.on_logits:
+            self.on_logits([s.request_id for s in seqs], rows)
         tokens, logprobs = self.sampler(rows, seqs)
         for s, toks, lps in zip(seqs, tokens, logprobs):
             result.sampled_token_ids[s.request_id] = toks[:1]
@@ -375,8 +376,8 @@ class ModelRunner:
 
     def _verify(self, seq: ScheduledSequence, rows: torch.Tensor, result: ModelRunnerOutput) -> None:
         tokens, logprobs = self.sampler.verify(rows, seq)
-        if self.logits_hook is not None:
-            self.logits_hook([seq.request_id] * len(tokens), rows[:len(tokens)])
+        if self.on_logits:
+            self.on_logits([seq.request_id] * len(tokens), rows[:len(tokens)])
         result.sampled_token_ids[seq.request_id] = tokens
         if logprobs is not None:
             result.logprobs[seq.request_id] = logprobs

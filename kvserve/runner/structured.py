@@ -16,6 +16,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from kvserve.core.outputs import ScheduledSequence
+from kvserve.config import FieldError
 
 FORMATS = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
@@ -40,20 +41,20 @@ class StructuredOutputs:
         if kind == "choice":
             options = json.loads(text) if text.lstrip().startswith("[") else None
             if not isinstance(options, list) or not options or not all(isinstance(o, str) for o in options):
-                raise ValueError("structured choice: a non-empty JSON list of strings is needed")
+                raise FieldError("structured", "choice: a non-empty JSON list of strings is needed", " ")
         try:
             grammar = self._ll.grammar_from(FORMATS[kind], text)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"structured {kind}: {e}") from e
+            raise FieldError("structured", f"{kind}: {e}", " ") from e
         matcher = self._ll.LLMatcher(self.tokenizer, grammar)
         if matcher.is_error():
-            raise ValueError(f"structured {kind}: {matcher.get_error()}")
+            raise FieldError("structured", f"{kind}: {matcher.get_error()}", " ")
         # a grammar that matches nothing (a rule defined only by itself, an empty character class)
         # compiles, and fails at its first mask: found here, not by an empty 200 answer
         import llguidance.torch as lltorch
         lltorch.fill_next_token_bitmask(matcher, lltorch.allocate_token_bitmask(1, self.vocab_size), 0)
         if matcher.is_error():
-            raise ValueError(f"structured {kind}: the grammar matches nothing ({matcher.get_error()})")
+            raise FieldError("structured", f"{kind}: the grammar matches nothing ({matcher.get_error()})", " ")
         return grammar  # type: ignore[no-any-return]
 
     def mask(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> torch.Tensor:

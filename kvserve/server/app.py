@@ -49,6 +49,9 @@ TOKENIZE_MAX_WAITING = 8  # ... and calls queued for them; past it, 503
 PROMPT_THREADS = min(32, (os.cpu_count() or 1) + 4)
 
 
+API_FIELDS = {"structured": "response_format"}  # the engine's name of a field -> the API's
+
+
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: Optional[str] = None,
                  kind: str = "invalid_request_error", code: Optional[str] = None,
@@ -100,9 +103,10 @@ def _install_guards(app: FastAPI, api_key: Optional[str], max_body_bytes: int, m
         param = None if kind == "json_invalid" else (loc[0] if loc else None)
         msg = "the request body is not valid JSON" if kind == "json_invalid" else \
             f"{param or 'body'}: {err.get('msg', 'invalid value')}"
-        if kind == "value_error" and not loc:  # a check over the whole body names its field first
-            msg = str(err.get("msg", "")).removeprefix("Value error, ")
-            param = msg.split(":", 1)[0]
+        if kind == "value_error" and not loc:  # a check over the whole body: its error names the field
+            error = err.get("ctx", {}).get("error")
+            msg = str(error) if error is not None else str(err.get("msg", "")).removeprefix("Value error, ")
+            param = getattr(error, "field", None)
         metrics.reject("400")
         return error_response(APIError(400, msg, param))
 
@@ -268,7 +272,7 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
                               tool_call_parser)
             messages, tools = _chat_input(body, plan, tokenizer.chat_template)
         except ValueError as e:
-            raise APIError(400, str(e), str(e).split(":", 1)[0]) from e
+            raise APIError(400, str(e), getattr(e, "field", None)) from e
         ids = await _tokenize("messages", lambda m: tokenizer.encode_chat(m, tools), messages, shared)
         if body.max_completion_tokens is not None and body.max_tokens is None:
             body.max_tokens = body.max_completion_tokens
@@ -319,9 +323,8 @@ async def _tokenizer_call(fn: Any, value: Any, threads: Any) -> Any:
 def _params(body: Any, logprobs: Optional[int], default_max_tokens: int, prompt_logprobs: Optional[int] = None) -> Any:
     try:
         return body.sampling_params(default_max_tokens, logprobs, prompt_logprobs)
-    except ValueError as e:
-        field = str(e).split(" ", 1)[0].rstrip(":")
-        raise APIError(400, str(e), field) from e
+    except ValueError as e:  # SamplingParams names the field it refuses (OptionError.field)
+        raise APIError(400, str(e), getattr(e, "field", None)) from e
 
 
 async def _start(aengine: AsyncEngine, rid: str, body: Any, prompt: Any, params: Any,
@@ -331,8 +334,8 @@ async def _start(aengine: AsyncEngine, rid: str, body: Any, prompt: Any, params:
         return await stream.__anext__(), stream
     except QueueFullError as e:
         raise APIError(503, str(e), kind="server_overloaded", code="queue_full", headers={"Retry-After": "1"}) from e
-    except ValueError as e:
-        field = "response_format" if str(e).startswith("structured") else "messages" if chat else "prompt"
+    except ValueError as e:  # the engine's FieldError names its field (SamplingParams.structured: response_format)
+        field = API_FIELDS.get(getattr(e, "field", ""), getattr(e, "field", None)) or ("messages" if chat else "prompt")
         raise APIError(400, str(e), field) from e
 
 

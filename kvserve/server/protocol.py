@@ -8,6 +8,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.config import FieldError
 
 MAX_N = 16
 MAX_STOP = 8
@@ -33,9 +34,9 @@ class _Common(BaseModel):
     def _nothing_ignored(self) -> "_Common":
         for name, value in (self.model_extra or {}).items():
             if name not in NOT_SERVED:
-                raise ValueError(f"{name}: not a field of this endpoint")
+                raise FieldError(name, "not a field of this endpoint")
             if value not in (None, False, [], {}, NOT_SERVED[name]):
-                raise ValueError(f"{name}: not supported by this server (only {NOT_SERVED[name]!r} or null)")
+                raise FieldError(name, f"not supported by this server (only {NOT_SERVED[name]!r} or null)")
         return self
 
     model: Optional[str] = Field(None, max_length=256)
@@ -80,10 +81,10 @@ class _Common(BaseModel):
             elif kind == "json_schema":
                 schema = (rf.get("json_schema") or {}).get("schema")
                 if not isinstance(schema, dict):
-                    raise ValueError("response_format: json_schema needs {\"json_schema\": {\"schema\": {...}}}")
+                    raise FieldError("response_format", "json_schema needs {\"json_schema\": {\"schema\": {...}}}")
                 asked.append(("response_format", ("json_schema", json.dumps(schema))))
             elif kind != "text":
-                raise ValueError(f"response_format: type must be text, json_object or json_schema, got {kind!r}")
+                raise FieldError("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
         if self.guided_json is not None:
             spec = self.guided_json if isinstance(self.guided_json, str) else json.dumps(self.guided_json)
             asked.append(("guided_json", ("json_schema", spec)))
@@ -94,13 +95,13 @@ class _Common(BaseModel):
         if self.guided_grammar is not None:
             asked.append(("guided_grammar", ("grammar", self.guided_grammar)))
         if len(asked) > 1:
-            raise ValueError(f"{asked[1][0]}: only one of response_format and guided_* at a time")
+            raise FieldError(asked[1][0], "only one of response_format and guided_* at a time")
         return asked[0][1] if asked else None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if len(stops) > MAX_STOP or any(not s or len(s) > 256 for s in stops):
-            raise ValueError(f"stop takes at most {MAX_STOP} non-empty strings of at most 256 characters")
+            raise FieldError("stop", f"takes at most {MAX_STOP} non-empty strings of at most 256 characters", " ")
         return tuple(stops)
 
     def sampling_params(self, default_max_tokens: int, logprobs: Optional[int],
@@ -129,7 +130,7 @@ class CompletionRequest(_Common):
         if isinstance(p, str) or (p and isinstance(p[0], int)) or not p:
             return [p]  # type: ignore[list-item]
         if len(p) > MAX_PROMPTS:
-            raise ValueError(f"prompt: at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
+            raise FieldError("prompt", f"at most {MAX_PROMPTS} prompts in one request, got {len(p)}")
         return list(p)  # type: ignore[arg-type]
 
 
@@ -157,7 +158,7 @@ class ChatMessage(BaseModel):
             return self.content
         for part in self.content:
             if part.type != "text" or part.text is None:
-                raise ValueError(f"messages: a content part of type {part.type!r}: this model takes text only")
+                raise FieldError("messages", f"a content part of type {part.type!r}: this model takes text only")
         return "\n".join(part.text for part in self.content if part.text is not None)
 
     def for_template(self) -> dict[str, Any]:

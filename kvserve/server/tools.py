@@ -22,6 +22,7 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
+from kvserve.config import FieldError
 
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 
@@ -43,14 +44,14 @@ def parse_tools(tools: Sequence[Any]) -> list[Tool]:
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict):
-            raise ValueError(f"tools: item {i} must be {{\"type\": \"function\", \"function\": {{...}}}}")
+            raise FieldError("tools", f"item {i} must be {{\"type\": \"function\", \"function\": {{...}}}}")
         name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise ValueError(f"tools: item {i} needs a function name of 1 to 64 characters")
+            raise FieldError("tools", f"item {i} needs a function name of 1 to 64 characters")
         if not isinstance(params, dict):
-            raise ValueError(f"tools: the parameters of {name!r} must be a JSON schema object")
+            raise FieldError("tools", f"the parameters of {name!r} must be a JSON schema object")
         if any(x.name == name for x in out):
-            raise ValueError(f"tools: {name!r} is given twice")
+            raise FieldError("tools", f"{name!r} is given twice")
         out.append(Tool(name, str(fn.get("description") or ""), params))
     return out
 
@@ -62,11 +63,11 @@ def chosen_tool(tool_choice: Any, tools: Sequence[Tool]) -> Optional[Tool]:
     fn = tool_choice.get("function")
     name = fn.get("name") if isinstance(fn, dict) else None
     if tool_choice.get("type") != "function" or not isinstance(name, str):
-        raise ValueError('tool_choice: a named choice is {"type": "function", "function": {"name": ...}}')
+        raise FieldError("tool_choice", 'a named choice is {"type": "function", "function": {"name": ...}}')
     for t in tools:
         if t.name == name:
             return t
-    raise ValueError(f"tool_choice: {name!r} is not one of the tools given")
+    raise FieldError("tool_choice", f"{name!r} is not one of the tools given")
 
 
 def forced_schema(tools: Sequence[Tool], named: Optional[Tool], parallel: bool) -> Optional[str]:
@@ -358,12 +359,12 @@ def plan_tools(tools: Optional[Sequence[Any]], tool_choice: Any, parallel: Optio
                template: str, parser_name: Optional[str] = None) -> Optional[ToolPlan]:
     """The request's tool plan, or None when it calls no tools (no tools, or tool_choice "none")."""
     if tool_choice is not None and not isinstance(tool_choice, (str, dict)):
-        raise ValueError("tool_choice: must be none, auto, required or a named function")
+        raise FieldError("tool_choice", "must be none, auto, required or a named function")
     if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice: must be none, auto, required or a named function, got {tool_choice!r}")
+        raise FieldError("tool_choice", f"must be none, auto, required or a named function, got {tool_choice!r}")
     if not tools:
         if tool_choice not in (None, "none"):
-            raise ValueError("tool_choice: needs tools")
+            raise FieldError("tool_choice", "needs tools")
         return None
     given = parse_tools(tools)
     if tool_choice == "none":
@@ -372,6 +373,6 @@ def plan_tools(tools: Optional[Sequence[Any]], tool_choice: Any, parallel: Optio
     mode = "named" if named is not None else "required" if tool_choice == "required" else "auto"
     schema = None if mode == "auto" else forced_schema(given, named, parallel is not False)
     if parser_name not in (None, "auto", *PARSERS):
-        raise ValueError(f"tool-call-parser: one of auto, {', '.join(PARSERS)}; got {parser_name!r}")
+        raise FieldError("tool-call-parser", f"one of auto, {', '.join(PARSERS)}; got {parser_name!r}")
     name = default_parser_name(template) if parser_name in (None, "auto") else parser_name
     return ToolPlan(tuple(given), mode, name, named, schema, parallel is not False)

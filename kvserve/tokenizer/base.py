@@ -13,6 +13,8 @@ import secrets
 from abc import ABC, abstractmethod
 from typing import Any, Iterator, Optional, Sequence
 
+from kvserve.config import FieldError
+
 
 class Tokenizer(ABC):
     bos_token_id: Optional[int] = None
@@ -78,7 +80,7 @@ class ContentFence:
     upper-cases it) is caught by comparing the rendering without fences with the real one, and
     such a conversation is refused rather than read as markup."""
 
-    REFUSAL = ("messages: the chat template rewrites message text that holds special-token text, so that "
+    REFUSAL = ("the chat template rewrites message text that holds special-token text, so that "
                "text cannot be kept apart from the template's own markup; remove it from the messages")
 
     def __init__(self, special_tokens: dict[str, int]) -> None:
@@ -108,7 +110,7 @@ class ContentFence:
         special tokens ("", id). ValueError where the fences did not pass through whole and in
         pairs (then the template's markup and the client's text cannot be told apart)."""
         if marked.replace(self.open, "").replace(self.close, "") != text:
-            raise ValueError(self.REFUSAL)
+            raise FieldError("messages", self.REFUSAL)
         pieces: list[tuple[str, Optional[int]]] = []
         run, end = "", 0
         fenced = f"{re.escape(self.open)}(?P<content>.*?){re.escape(self.close)}"
@@ -123,7 +125,7 @@ class ContentFence:
             run = ""
         pieces.append((run + marked[end:], None))
         if any(self.open in piece or self.close in piece for piece, _ in pieces):  # a fence cut in two
-            raise ValueError(self.REFUSAL)
+            raise FieldError("messages", self.REFUSAL)
         return [p for p in pieces if p[1] is not None or p[0]]
 
 

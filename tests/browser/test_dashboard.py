@@ -5,7 +5,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.browser.conftest import console_errors
 from tests.server.conftest import API_KEY, start

@@ -55,14 +55,14 @@ def llama():
 def prompt_rows(engine, ids, rid="stream"):
     """Score ids as one prompt (chunked by the engine's budget): each row's logits, in order."""
     rows = []
-    engine.prompt_logits_hook = lambda r, start, logits: rows.append((start, logits.clone()))
+    stop = engine.on_prompt_logits.add(lambda r, start, logits: rows.append((start, logits.clone())))
     engine.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=0, prompt_logprobs=0))
     held = []
     while engine.has_unfinished():
         engine.step()
         engine.check_integrity()
         held.append(engine.kv.num_held_blocks(rid))
-    engine.prompt_logits_hook = None
+    stop()
     return torch.cat([r for _, r in sorted(rows, key=lambda r: r[0])]), held
 
 

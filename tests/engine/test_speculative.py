@@ -145,7 +145,7 @@ def test_speculative_sampling_draws_from_the_target_distribution(stories, propos
     with torch.no_grad():  # the target's logits after the context and after two guessed tokens
         engine.add_request("p", ids, SamplingParams(max_tokens=1, prompt_logprobs=0))
         rows = []
-        engine.prompt_logits_hook = lambda rid, start, logits: rows.append(logits)
+        engine.on_prompt_logits.add(lambda rid, start, logits: rows.append(logits))
         while engine.has_unfinished():
             engine.step()
     p_rows = torch.cat(rows)[-1:].repeat(3, 1)  # one context; the later rows only matter after acceptance

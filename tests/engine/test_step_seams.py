@@ -82,7 +82,7 @@ def test_proposals_verified_in_one_pass_leave_greedy_output_unchanged(stories, s
 
     engine = make_engine(stories, block_size=4, num_blocks=128)
     hooked = {}
-    engine.runner.logits_hook = lambda ids, rows: [hooked.setdefault(i, []).append(r.clone()) for i, r in zip(ids, rows)]
+    engine.runner.on_logits.add(lambda ids, rows: [hooked.setdefault(i, []).append(r.clone()) for i, r in zip(ids, rows)])
     outs, steps = drive(engine, stories_prompts, greedy(MAX_TOKENS, ignore_eos=True), propose)
     assert [o.outputs[0].token_ids for o in outs] == expected
     assert steps < MAX_TOKENS - 4 and counts["proposed"] > 0

@@ -36,7 +36,7 @@ def test_windows_score_every_token_once():
 def full_pass_logprobs(loaded, ids):
     engine = make_engine(loaded, use_cache=False, max_model_len=len(ids) + 1)
     rows = []
-    engine.prompt_logits_hook = lambda rid, start, logits: rows.append((start, logits))
+    engine.on_prompt_logits.add(lambda rid, start, logits: rows.append((start, logits)))
     engine.add_request("r", ids, SamplingParams(max_tokens=0, prompt_logprobs=0))
     while engine.has_unfinished():
         engine.step()

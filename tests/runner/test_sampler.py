@@ -25,7 +25,9 @@ def test_invalid_parameters_raise_naming_the_field(bad):
 
 def test_top_k_top_p_min_p_filtering():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    keep = lambda p: torch.isfinite(filter_logits(logits.clone(), [p]))[0].tolist()
+
+    def keep(p):
+        return torch.isfinite(filter_logits(logits.clone(), [p]))[0].tolist()
     assert keep(SamplingParams(top_k=2)) == [True, True, False, False]
     assert keep(SamplingParams(top_p=0.8)) == [True, True, False, False]
     assert keep(SamplingParams(top_p=0.81)) == [True, True, True, False]
@@ -87,7 +89,9 @@ def test_a_seeded_draw_depends_only_on_the_seed_and_the_position():
     torch.manual_seed(0)
     rows = torch.randn(3, 50)
     p = SamplingParams(temperature=0.9, seed=42)
-    at = lambda sampler, position, row: sampler(rows[row:row + 1], [seq("a", p, output=[7] * position)])[0][0][0]
+
+    def at(sampler, position, row):
+        return sampler(rows[row:row + 1], [seq("a", p, output=[7] * position)])[0][0][0]
     fresh = [at(Sampler(0), position, position) for position in range(3)]
     busy = Sampler(1)
     busy.verify(rows, seq("a", p, output=[7], spec=[(fresh[1] + 1) % 50, 3]))  # a rejected guess

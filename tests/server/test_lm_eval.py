@@ -8,7 +8,6 @@ transformers directory that both sides load; the task is built from Hamlet's ver
 comes next, out of four lines of the play."""
 
 import json
-import os
 import random
 
 import pytest

@@ -3,7 +3,6 @@ stays up; the API key is required and never logged; schemathesis finds no 500s."
 
 import contextlib
 import json
-import logging
 import os
 import signal
 import sys
