@@ -174,7 +174,8 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
         ops = env.cpu_ops
         if ops is None or self.fused_qkv is None:
             return {}
-        qkv, rope_qkv, attn, o_proj = self.fused_qkv.fused, ops.rope_qkv, self.attn, self.o_proj
+        # the bound forms (children bind first), called without a module frame
+        qkv, rope_qkv, attn, o_proj = self.fused_qkv.fused.forward, ops.rope_qkv, self.attn.forward, self.o_proj.forward
         heads, kv_heads = self.num_heads, self.num_kv_heads
 
         def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -210,7 +211,8 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
         """A fused gate|up product through silu(gate) * up in one call (the vector builds)."""
         if env.cpu_ops is None or self.ops is None or self.fused_gate_up is None:
             return {}
-        gate_up, silu_mul_halves, down = self.fused_gate_up.fused, self.ops.silu_mul_halves, self.down_proj
+        gate_up, silu_mul_halves, down = self.fused_gate_up.fused.forward, self.ops.silu_mul_halves, \
+            self.down_proj.forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             return down(silu_mul_halves(gate_up(x)))  # type: ignore[no-any-return]
@@ -229,13 +231,15 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: the previous layer's output, not yet added to the residual stream (the embeddings
         and residual None for the first layer). Returns this layer's output and the stream: each
-        add is made by the norm that follows it (RMSNorm.add_forward), one call instead of two."""
+        add is made by the norm that follows it (RMSNorm.add_forward), one call instead of two.
+        Its blocks are DirectCall modules: their forward is called as such, one frame fewer."""
         if residual is None:
-            residual, h = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm.forward(x)
         else:
             h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn(h, positions, rope, ctx), residual)
-        return self.mlp(h), residual
+        h, residual = self.post_attention_layernorm.add_forward(self.self_attn.forward(h, positions, rope, ctx),
+                                                                residual)
+        return self.mlp.forward(h), residual
 
 
 def make_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
@@ -292,7 +296,7 @@ class LlamaForCausalLM(nn.Module):
         assert self.rope is not None, "call init_rope() after loading weights"
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x, residual = layer(x, positions, self.rope, ctx, residual)
+            x, residual = layer.forward(x, positions, self.rope, ctx, residual)
         return self.model.norm.add_forward(x, residual)[0] if residual is not None else self.model.norm(x)
 
     @torch.inference_mode()

@@ -21,14 +21,14 @@ reference quantizers do.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.modules import DirectCall
+from kvserve.modules import DirectCall, FastPath, FastPathEnv
 
 BLOCK = 32
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
@@ -129,7 +129,7 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> PackedWeight:
     return PackedWeight(fmt, blocks.reshape(n, -1).contiguous(), (n, k))
 
 
-class PackedLinear(DirectCall, nn.Module):
+class PackedLinear(DirectCall, FastPath, nn.Module):
     """nn.Linear over a packed weight (bias, if any, in the model's dtype)."""
 
     def __init__(self, packed: PackedWeight, bias: Optional[torch.Tensor] = None) -> None:
@@ -151,6 +151,21 @@ class PackedLinear(DirectCall, nn.Module):
         else:
             y = F.linear(x2, self._dense_weight(x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
+
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """Decode's few fp32 rows straight to the kernel, its operands looked up once (a buffer
+        read through nn.Module.__getattr__ costs about as much as the call); the rest eager."""
+        if env.device.type != "cpu" or self.kernel is None:
+            return {}
+        product, qweight, ggml_type, k, bias = self.kernel.linear_quant, self.qweight, self.fmt.ggml_type, \
+            self.in_features, self.bias
+        eager = type(self).forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+                return product(x, qweight, ggml_type, k, bias)  # type: ignore[no-any-return]
+            return eager(self, x)
+        return {"forward": forward}
 
     def _few_row_kernel(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and self.kernel is not None
@@ -195,6 +210,18 @@ class PackedLinearQ8(PackedLinear):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,  # type: ignore[no-any-return]
                                  self.bias)
+
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """fp32 rows straight to the kernel, its operands looked up once; the rest eager."""
+        product, qweight, ggml_type, k, n, bias = self.q8.linear_q8, self.qweight, self.fmt.ggml_type, \
+            self.in_features, self.out_features, self.bias
+        eager = type(self).forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.dtype == torch.float32:
+                return product(x, qweight, ggml_type, k, n, bias)  # type: ignore[no-any-return]
+            return eager(self, x)
+        return {"forward": forward}
 
     def gguf_rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The weight's GGUF rows [N, row bytes], or those `index` names."""
