@@ -338,6 +338,9 @@ def report(tally: Tally, totals: dict[str, Any], samples: list[tuple[float, int]
            "end_mib": samples[-1][1] / mib if samples else None}
     # flat: what the second half of the run added over the first half's peak
     rss["second_half_growth_mib"] = rss["end_mib"] - rss["half_max_mib"] if half else None
+    # and the course of it: the largest RSS in each tenth of the run
+    tenths = [[r for t, r in samples if i * elapsed / 10 <= t - start < (i + 1) * elapsed / 10] for i in range(10)]
+    rss["by_tenth_mib"] = [round(max(x) / mib, 1) if x else None for x in tenths]
     lat = tally.latencies
     return {
         "seconds": round(elapsed, 1), "normal_requests": len(lat), "mismatches": tally.mismatches,
