@@ -450,6 +450,25 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _as_typed(e: Exception) -> str:
+    """The error as the user typed what it names: an option the command line has as a flag
+    (num_blocks: --num-blocks); any other field (a sampling parameter's) as it is."""
+    if not isinstance(e, OptionError):
+        return str(e)
+    return e.as_flag if f"--{e.option.replace('_', '-')}" in _flags(build_parser()) else str(e)
+
+
+def _flags(p: argparse.ArgumentParser) -> set[str]:
+    """Every --flag of the parser and its subcommands."""
+    flags = set()
+    for action in p._actions:
+        flags.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _flags(sub)
+    return flags
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     from kvserve.models.loaders.base import ModelLoadError
@@ -457,7 +476,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return int(args.func(args) or 0)
     except (UserError, ModelLoadError, ValueError, FileNotFoundError, IsADirectoryError,
             PermissionError) as e:
-        print(f"kvserve: error: {e.as_flag if isinstance(e, OptionError) else e}", file=sys.stderr)
+        print(f"kvserve: error: {_as_typed(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -76,7 +76,7 @@ def test_generate_no_cache_streams_the_same_text():
 @pytest.mark.parametrize("args, message", [
     (["generate", "hi", "--model", "/no/such/model.gguf"], "model not found"),
     (["generate", "hi", "--model", str(STORIES_DIR), "--temperature", "-1"], "temperature"),
-    (["generate", "hi", "--model", str(STORIES_DIR), "--max-tokens", "0"], "max_tokens"),
+    (["generate", "hi", "--model", str(STORIES_DIR), "--max-tokens", "0"], "--max-tokens must be"),
     (["generate", "word " * 600, "--model", str(STORIES_DIR)], "context holds 512"),
     (["generate", "hi", "--model", str(STORIES_DIR), "--chat"], "no chat template"),
     (["memory", "--model", "no-such-config"], "model not found"),

@@ -12,7 +12,7 @@ from torch import nn
 
 from kvserve.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.kv.storage import KVStorage
-from kvserve.modules import DirectCall, FastPath, FastPathEnv
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, unbind_fast_path
 
 
 @dataclass
@@ -45,10 +45,10 @@ class Attention(DirectCall, FastPath, nn.Module):
 
 
 def install(model: nn.Module, backend: AttentionBackend, layer_group: Sequence[int]) -> None:
-    """Give every attention layer of the model the backend and its cache group. A layer bound to
-    an earlier backend's fast form (kvserve.modules) goes back to its eager forward, which calls
+    """Give every attention layer of the model the backend and its cache group. A model bound to
+    an earlier backend's fast forms (kvserve.modules) goes back to its eager modules, which call
     the new one, until the runner binds it again."""
+    unbind_fast_path(model)
     for m in model.modules():
         if isinstance(m, Attention):
-            m.unbind()
             m.backend, m.group = backend, layer_group[m.layer_idx]

@@ -369,16 +369,30 @@ class Scheduler:
 
     def _admit(self, scheduled: list[ScheduledSequence], budget: int) -> None:
         """Waiting requests in policy order, while seats, budget and blocks allow; a gang is
-        admitted whole, and only when its group's worst case fits the free pool."""
+        admitted whole, and only when its group's worst case fits the free pool. A paused
+        request gives its seat and blocks to a waiting one that lacks them (it computes nothing
+        meanwhile: holding them would only stall the queue)."""
         while budget > 0 and (req := self.next_waiting()) is not None:
             gang = [m for m in gang_of(req) if m.status != RequestStatus.RUNNING]
             if len(self.running) + len(gang) > self.config.max_num_seqs:
+                if self._preempt_a_paused():
+                    continue
                 break
             admit = self._admit_gang if runs_as_gang(req) else self._admit_one
             taken = admit(gang, budget, scheduled)
             if taken is None:
+                if self._preempt_a_paused():
+                    continue
                 break
             budget -= taken
+
+    def _preempt_a_paused(self) -> bool:
+        """Preempt the policy's worst paused running request (with its gang); False: none runs."""
+        paused = [r for r in self.running if self.is_paused(r)]
+        if not paused:
+            return False
+        self._preempt(max(paused, key=self.key))
+        return True
 
     def _admit_gang(self, gang: list[Request], budget: int,
                     scheduled: list[ScheduledSequence]) -> Optional[int]:

@@ -174,15 +174,16 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
         ops = env.cpu_ops
         if ops is None or self.fused_qkv is None:
             return {}
-        # the bound forms (children bind first), called without a module frame
-        qkv, rope_qkv, attn, o_proj = self.fused_qkv.fused.forward, ops.rope_qkv, self.attn.forward, self.o_proj.forward
-        heads, kv_heads = self.num_heads, self.num_kv_heads
+        rope_qkv, heads, kv_heads = ops.rope_qkv, self.num_heads, self.num_kv_heads
 
         def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     ctx: ForwardContext) -> torch.Tensor:
+            # the children's forward looked up at each call (pinned: a dict lookup), so whatever
+            # is bound in their place later (another backend, a timer) is what runs
             cos, sin = rope.angles(positions)
-            q, k, v = rope_qkv(qkv(x), cos, sin, heads, kv_heads)
-            return o_proj(attn(q, k, v, ctx).reshape(x.shape[0], -1))  # type: ignore[no-any-return]
+            q, k, v = rope_qkv(self.fused_qkv.fused.forward(x), cos, sin, heads, kv_heads)
+            out = self.attn.forward(q, k, v, ctx)
+            return self.o_proj.forward(out.reshape(x.shape[0], -1))  # type: ignore[no-any-return]
         return {"forward": forward}
 
 
@@ -211,11 +212,10 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
         """A fused gate|up product through silu(gate) * up in one call (the vector builds)."""
         if env.cpu_ops is None or self.ops is None or self.fused_gate_up is None:
             return {}
-        gate_up, silu_mul_halves, down = self.fused_gate_up.fused.forward, self.ops.silu_mul_halves, \
-            self.down_proj.forward
+        silu_mul_halves = self.ops.silu_mul_halves
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            return down(silu_mul_halves(gate_up(x)))  # type: ignore[no-any-return]
+        def forward(x: torch.Tensor) -> torch.Tensor:  # children looked up at each call, as above
+            return self.down_proj.forward(silu_mul_halves(self.fused_gate_up.fused.forward(x)))  # type: ignore[no-any-return]
         return {"forward": forward}
 
 

@@ -282,6 +282,30 @@ def test_a_paused_request_gives_its_blocks_up_first():
     assert old.num_output_tokens == 8 and new.num_output_tokens == 8
 
 
+def test_paused_requests_give_their_seats_and_blocks_to_waiting_ones():
+    """Both seats taken by paused requests: a new request is admitted at once (the worst paused
+    one is preempted), not left waiting behind requests that compute nothing."""
+    sched = make_scheduler(num_blocks=32, block_size=4, max_num_seqs=2)
+    a, b, c = (make_request(range(i, i + 5), max_tokens=4) for i in (0, 10, 20))
+    sched.add_request(a)
+    sched.add_request(b)
+    fake_step(sched)
+    sched.pause(a.group_id)
+    sched.pause(b.group_id)
+    sched.add_request(c)
+    out = fake_step(sched)
+    assert [s.request_id for s in out.scheduled] == [c.request_id]
+    assert b.status == RequestStatus.PREEMPTED and a.status == RequestStatus.RUNNING  # the newest went
+    sched.check_integrity()
+    for _ in range(6):
+        fake_step(sched)
+    assert c.is_finished and not a.is_finished
+    sched.resume(a.group_id)
+    sched.resume(b.group_id)
+    run_to_end(sched)
+    assert a.num_output_tokens == b.num_output_tokens == 4
+
+
 def test_ending_a_paused_group_forgets_the_pause():
     sched = make_scheduler()
     a = make_request(range(5))

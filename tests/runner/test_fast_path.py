@@ -28,7 +28,7 @@ def fast_and_eager(loaded, prompts, max_tokens=12, **options):
     for fast in (True, False):
         engine = make_engine(loaded, max_num_seqs=4, max_num_batched_tokens=32, **options)
         bound = engine.runner.use_fast_path(fast)
-        assert bool(bound) == (fast and bool(engine.runner.fast_path))
+        assert fast or not bound  # eager: nothing bound
         runs[fast] = run_collecting_logits(engine, prompts, greedy(max_tokens, ignore_eos=True)), bound
     return runs
 
@@ -36,6 +36,7 @@ def fast_and_eager(loaded, prompts, max_tokens=12, **options):
 def assert_same(runs):
     ((out_a, logits_a), _), ((out_b, logits_b), _) = runs[True], runs[False]
     assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
+    assert len(logits_a) == len(logits_b) == len(out_a)
     for rows, other in zip(logits_a.values(), logits_b.values()):  # both in the prompts' order
         assert len(rows) == len(other) and all(torch.equal(a, b) for a, b in zip(rows, other))
 
@@ -155,6 +156,29 @@ def test_children_are_bound_before_their_parents():
     parent = Parent()
     bind_fast_path(parent, FastPathEnv(torch.device("cpu"), torch.float32))
     assert order[-1] is parent and set(order[:2]) == {parent.a, parent.b}
+
+
+def test_installing_another_backend_after_binding_reaches_it(stories):
+    """A bound model given another attention backend (a recording one, as fp8 calibration
+    installs) goes back to its eager modules, which call it: no bound form keeps the old one."""
+    from kvserve.attention.layer import install
+    engine = make_engine(stories, weight_dtype="int8")
+    if layer_kernels_built():
+        assert engine.runner.fast_path
+    calls = []
+    backend = engine.runner.backend
+
+    class Recording(type(backend)):
+        def forward(self, layer, *args, **kwargs):
+            calls.append(layer)
+            return super().forward(layer, *args, **kwargs)
+
+    recording = Recording.__new__(Recording)
+    recording.__dict__.update(backend.__dict__)
+    install(engine.model, recording, [0] * engine.model.config.num_hidden_layers)
+    assert not engine.runner.model.model.layers[0].self_attn.fast_bound
+    run_collecting_logits(engine, [stories.tokenizer.encode(PROMPT)[:5]], greedy(3, ignore_eos=True))
+    assert calls and set(calls) == set(range(engine.model.config.num_hidden_layers))
 
 
 def test_no_binding_without_the_layer_kernels(stories, monkeypatch):
