@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from kvserve.server.async_engine import STOPPED_READING, AsyncEngine
-from tests.conftest import greedy, make_engine
+from tests.conftest import greedy, make_engine, run_collecting_logits
 
 
 async def run_reader(aengine: AsyncEngine, rid: str, prompt: str, params, pause_after: int, pause_s: float):
@@ -18,6 +18,12 @@ async def run_reader(aengine: AsyncEngine, rid: str, prompt: str, params, pause_
         if len(outs) == pause_after:
             await asyncio.sleep(pause_s)
     return outs
+
+
+def solo_token_ids(stories, prompt, params) -> list[int]:
+    """The request's tokens run alone on a fresh engine."""
+    outs, _ = run_collecting_logits(make_engine(stories), [prompt], params)
+    return outs[0].outputs[0].token_ids
 
 
 def test_a_reader_that_falls_behind_gets_everything_in_one_output(stories):
@@ -34,12 +40,7 @@ def test_a_reader_that_falls_behind_gets_everything_in_one_output(stories):
     assert len(outs) < 20  # the steps made while it slept came as one output, not one each
     assert "".join(o.outputs[0].delta for o in outs) == final.text
     assert [t for o in outs for t in o.outputs[0].delta_token_ids] == final.token_ids
-    alone = make_engine(stories)
-    rid = alone.add_request(None, "Once upon a time", params)
-    while alone.has_unfinished():
-        for out in alone.step():
-            if out.request_id == rid and out.finished:
-                assert out.outputs[0].token_ids == final.token_ids
+    assert final.token_ids == solo_token_ids(stories, "Once upon a time", params)
 
 
 def test_a_reader_that_stops_reading_is_aborted_and_its_blocks_freed(stories):
@@ -97,12 +98,7 @@ def test_a_reader_that_falls_behind_pauses_its_request_until_it_reads(stories):
     assert steps[-1] < 300  # paused well before its 400 tokens
     final = outs[-1].outputs[0]
     assert final.finished and len(final.token_ids) == 400 and not engine.scheduler.paused
-    solo = make_engine(stories)
-    rid = solo.add_request(None, "Once upon a time", params)
-    while solo.has_unfinished():
-        for out in solo.step():
-            if out.request_id == rid and out.finished:
-                assert out.outputs[0].token_ids == final.token_ids
+    assert final.token_ids == solo_token_ids(stories, "Once upon a time", params)
 
 
 def test_a_paused_reader_that_never_reads_again_is_aborted(stories):
