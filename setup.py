@@ -47,7 +47,7 @@ def _extensions(cpp_extension) -> list:
         ext = cpp_extension.CppExtension(
             name=f"{levels.BUILT_PACKAGE}.{levels.module_name(kernel, isa)}",
             sources=[str(CSRC / f"{kernel}.cpp")],
-            extra_compile_args=list(levels.BASE_FLAGS + levels.ISAS[isa].cflags),
+            extra_compile_args=list(levels.BASE_FLAGS + levels.ISAS[isa].cflags + levels.KERNEL_CFLAGS.get(kernel, ())),
             extra_link_args=list(levels.LINK_FLAGS),
             depends=[str(p) for p in sorted(CSRC.glob("*.h"))])
         ext.kernel, ext.isa = kernel, isa

@@ -17,6 +17,7 @@ kvserve says so once, and `failure(name)` keeps the reason.
   linear_quant     x @ W^T with W packed in GGUF's Q8_0 / Q4_0 / Q4_1 blocks, and their dequantization
   linear_q8        x @ W^T with W in Q4_0 / Q4_1 / Q8_0 blocks and x quantized to 8 bits a block (integer dots)
   layer_ops        a decoder layer's RMSNorm, RoPE and SiLU-times-up, one call each
+  linear_kquant    x @ W^T with W in GGUF K-quant / Q5_0 / Q5_1 / IQ4_NL blocks (fp32 or int8 activations), and their dequantization
 """
 
 from __future__ import annotations

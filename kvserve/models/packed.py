@@ -1,5 +1,9 @@
 """Weights kept in GGUF's block formats (Q8_0, Q4_0, Q4_1): 32 weights a block with an fp16
-scale (and for Q4_1 an fp16 minimum), 8.5, 4.5 and 5 bits a weight, instead of 32 or 16.
+scale (and for Q4_1 an fp16 minimum), 8.5, 4.5 and 5 bits a weight, instead of 32 or 16; and
+the other common GGUF types (Q5_0, Q5_1, IQ4_NL: 32 weights a block; the K-quants Q2_K to Q6_K:
+256 a block in groups of 16 or 32 with their own 4- to 8-bit scales, 2.6 to 6.6 bits a weight),
+whose products and dequantization are kernels/csrc/linear_kquant.cpp's (each format names its
+kernel).
 
 Decode is bound by reading the weights, so `PackedLinear` multiplies a few rows of activations
 by the packed weight directly (kernels/csrc/linear_quant.cpp: each row of W streamed once and
@@ -12,7 +16,9 @@ With `--packed-activations int8`, `PackedLinearQ8` takes every product of Q4_0/Q
 instead: the activations are quantized to 8 bits per block and multiplied in integer dot
 products (kernels/csrc/linear_q8.cpp, llama.cpp's arithmetic), about twice as fast for few rows
 and faster than the dense GEMM for many; the result is the float product with each activation
-rounded to its block's step (`linear_q8_reference`).
+rounded to its block's step (`linear_q8_reference`). Weights of the other types take
+`PackedLinearQ8Rows`: their GGUF rows as they are, the activations quantized per block of the
+weight's size (256 for K-quants, as llama.cpp's Q8_K; `linear_int8_reference`).
 
 `quantize` packs float weights (`--weight-dtype int8` -> Q8_0, `int4` -> Q4_1) the way llama.cpp's
 reference quantizers do.
@@ -28,36 +34,47 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
+from kvserve.models import kquants
 from kvserve.modules import DirectCall, FastPath, FastPathEnv
 
-BLOCK = 32
+BLOCK = 32  # weights a block of Q8_0 / Q4_0 / Q4_1 (and of Q5_0, Q5_1, IQ4_NL; K-quants have 256)
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
 
 
 @dataclass(frozen=True)
 class BlockFormat:
+    """A GGUF block type: `block` weights in `block_bytes` bytes; `kernel` multiplies and
+    dequantizes it."""
     name: str
     ggml_type: int
     block_bytes: int
+    block: int = BLOCK
+    kernel: str = "linear_quant"
 
     def row_bytes(self, k: int) -> int:
-        return k // BLOCK * self.block_bytes
+        return k // self.block * self.block_bytes
 
 
-FORMATS = {f.name: f for f in (BlockFormat("q8_0", 8, 34), BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20))}
+FORMATS = {f.name: f for f in (
+    BlockFormat("q8_0", 8, 34), BlockFormat("q4_0", 2, 18), BlockFormat("q4_1", 3, 20),
+    BlockFormat("q5_0", 6, 22, kernel="linear_kquant"), BlockFormat("q5_1", 7, 24, kernel="linear_kquant"),
+    BlockFormat("iq4_nl", 20, 18, kernel="linear_kquant"),
+    BlockFormat("q2_k", 10, 84, 256, "linear_kquant"), BlockFormat("q3_k", 11, 110, 256, "linear_kquant"),
+    BlockFormat("q4_k", 12, 144, 256, "linear_kquant"), BlockFormat("q5_k", 13, 176, 256, "linear_kquant"),
+    BlockFormat("q6_k", 14, 210, 256, "linear_kquant"))}
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
 
 
 @dataclass
 class PackedWeight:
-    """A [N, K] weight as its packed rows: data uint8 [N, K / 32 * block bytes]."""
+    """A [N, K] weight as its packed rows: data uint8 [N, K / block * block bytes]."""
     fmt: BlockFormat
     data: torch.Tensor
     shape: tuple[int, int]
 
     def __post_init__(self) -> None:
         n, k = self.shape
-        if k % BLOCK or tuple(self.data.shape) != (n, self.fmt.row_bytes(k)) or self.data.dtype != torch.uint8:
+        if k % self.fmt.block or tuple(self.data.shape) != (n, self.fmt.row_bytes(k)) or self.data.dtype != torch.uint8:
             raise ValueError(f"packed {self.fmt.name} weight {self.shape}: data {tuple(self.data.shape)} "
                              f"{self.data.dtype} does not hold it")
 
@@ -65,7 +82,7 @@ class PackedWeight:
         return PackedWeight(self.fmt, self.data[index].contiguous(), (int(index.numel()), self.shape[1]))
 
     def dequantize(self) -> torch.Tensor:
-        return dequantize(self.data, self.fmt, self.shape[1], kernels.load("linear_quant"))
+        return dequantize(self.data, self.fmt, self.shape[1], kernels.load(self.fmt.kernel))
 
 
 def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int, kernel: Optional[Any],
@@ -83,7 +100,10 @@ def _half(b: torch.Tensor) -> torch.Tensor:
 
 
 def dequantize_torch(data: torch.Tensor, fmt: BlockFormat, k: int) -> torch.Tensor:
+    """Packed rows -> fp32 [N, k], as the gguf package computes each weight (bit for bit)."""
     n = data.shape[0]
+    if fmt.name in kquants.DECODERS:
+        return kquants.dequantize(data.reshape(n, k // fmt.block, fmt.block_bytes), fmt.name).reshape(n, k)
     blocks = data.reshape(n, k // BLOCK, fmt.block_bytes)
     d = _half(blocks[..., 0:2])  # [n, nb, 1]
     if fmt.name == "q8_0":
@@ -100,8 +120,12 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> PackedWeight:
     """Float [N, K] -> packed blocks: Q8_0 d = max|w| / 127, q = round(w / d); Q4_1 d =
     (max - min) / 15, m = min, q = round((w - m) / d); Q4_0 d = w of largest |w| / -8,
     q = clamp(round(w / d) + 8, 0, 15). The scales are stored as fp16, and q is computed
-    from them as stored, so dequantizing gives back what the kernel multiplies by."""
+    from them as stored, so dequantizing gives back what the kernel multiplies by. Q5_0 and Q5_1
+    are the gguf package's quantizers; the other types have none here (they come packed, from
+    GGUF files)."""
     n, k = w.shape
+    if fmt.name in kquants.DECODERS:
+        return PackedWeight(fmt, kquants.quantize(w, fmt.name, fmt.ggml_type, fmt.block), (n, k))
     if k % BLOCK:
         raise ValueError(f"a {fmt.name} weight needs K divisible by {BLOCK}, got {k}")
     x = w.detach().float().reshape(n, k // BLOCK, BLOCK)
@@ -138,7 +162,7 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
         self.out_features, self.in_features = packed.shape
         self.register_buffer("qweight", packed.data, persistent=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
-        self.kernel = kernels.load("linear_quant")  # chosen once, not on every product
+        self.kernel = kernels.load(packed.fmt.kernel)  # chosen once, not on every product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few = self._few_row_kernel(x)
@@ -232,9 +256,49 @@ class PackedLinearQ8(PackedLinear):
         return dequantize(self.gguf_rows(), self.fmt, self.in_features, self.kernel, dtype)
 
 
+class PackedLinearQ8Rows(PackedLinear):
+    """A PackedLinear of the K-quants, Q5_0, Q5_1 or IQ4_NL whose products quantize the
+    activations to 8 bits per block of the weight's size (256 weights for K-quants, as
+    llama.cpp's Q8_K: fp32 d and sums per 16; 32 for the others) and sum integer products
+    (kernels/csrc/linear_kquant.cpp), for one row or thousands. Its weight stays in GGUF's rows,
+    so a tied embedding keeps reading the same table."""
+
+    def __init__(self, linear: PackedLinear) -> None:
+        if linear.fmt.kernel != "linear_kquant":
+            raise ValueError(f"PackedLinearQ8Rows multiplies the linear_kquant formats, not {linear.fmt.name}")
+        if linear.kernel is None:
+            raise ValueError("--packed-activations int8 needs the compiled linear_kquant kernel: "
+                             f"{kernels.failure('linear_kquant')}")
+        if linear.qweight.device.type != "cpu":
+            raise ValueError("--packed-activations int8 runs on CPU only")
+        super().__init__(PackedWeight(linear.fmt, linear.qweight, (linear.out_features, linear.in_features)), linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32:
+            return self._product(x)  # straight to the kernel (each torch op costs ~1 us)
+        y = self._product(x.reshape(-1, self.in_features).float()).to(x.dtype)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernel.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
+
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """fp32 rows straight to the kernel, its operands looked up once; the rest eager."""
+        product, qweight, ggml_type, k, bias = self.kernel.linear_q8, self.qweight, self.fmt.ggml_type, \
+            self.in_features, self.bias
+        eager = type(self).forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.dtype == torch.float32:
+                return product(x, qweight, ggml_type, k, bias)  # type: ignore[no-any-return]
+            return eager(self, x)
+        return {"forward": forward}
+
+
 def use_int8_activations(model: nn.Module) -> None:
     """Give every packed linear of the model (fused ones too) int8 activations. A head tied to a
-    packed embedding keeps one copy: the embedding then looks its rows up in the head's panels."""
+    packed embedding keeps one copy: the embedding then looks its rows up in the head's panels
+    (Q4_0 / Q4_1 / Q8_0) or goes on reading the GGUF rows they share (the other types)."""
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     tied = isinstance(embed, PackedEmbedding) and isinstance(head, PackedLinear) and head.qweight is embed.qweight
@@ -242,7 +306,9 @@ def use_int8_activations(model: nn.Module) -> None:
         for name, child in list(owner.named_children()):
             if type(child) is PackedLinear and child.fmt.name in PackedLinearQ8.FORMATS:
                 setattr(owner, name, PackedLinearQ8(child))
-    if tied:
+            elif type(child) is PackedLinear and child.fmt.kernel == "linear_kquant":
+                setattr(owner, name, PackedLinearQ8Rows(child))
+    if tied and isinstance(model.lm_head, PackedLinearQ8):
         model.model.embed_tokens = PanelEmbedding(model.lm_head, embed.dtype)  # type: ignore[union-attr,arg-type]
 
 
@@ -257,6 +323,17 @@ def linear_q8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
     return (xq * dx).reshape(m, k).double() @ dequantize_torch(packed.data, packed.fmt, k).double().T
 
 
+def linear_int8_reference(x: torch.Tensor, packed: PackedWeight) -> torch.Tensor:
+    """What PackedLinearQ8Rows computes, in torch (fp64 sums): x [M, K] rounded per block of the
+    weight's size to dx * round(x / dx), dx = max|x| / 127, times the dequantized weight."""
+    m, k = x.shape
+    block = packed.fmt.block
+    xb = x.float().reshape(m, k // block, block)
+    dx = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(dx > 0, 1 / dx, torch.zeros_like(dx))
+    return (torch.round(xb * inv) * dx).reshape(m, k).double() @ dequantize_torch(packed.data, packed.fmt, k).double().T
+
+
 class PackedEmbedding(DirectCall, nn.Module):
     """nn.Embedding over a packed table: the looked-up rows are dequantized, to `dtype`."""
 
@@ -265,7 +342,7 @@ class PackedEmbedding(DirectCall, nn.Module):
         self.fmt, self.dtype = packed.fmt, dtype
         self.num_embeddings, self.embedding_dim = packed.shape
         self.register_buffer("qweight", packed.data, persistent=False)
-        self.kernel = kernels.load("linear_quant")
+        self.kernel = kernels.load(packed.fmt.kernel)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.qweight[ids.reshape(-1)]

@@ -8,7 +8,7 @@ import torch
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.models.packed import FusedPart, PackedEmbedding, PackedLinear
-from tests.conftest import make_engine, run_collecting_logits
+from tests.conftest import greedy, make_engine, run_collecting_logits
 
 GOLDEN = ["The capital of France is", "Once upon a time, there was a", "def fibonacci(n):",
           "The KV cache stores the keys and values of"]
@@ -129,6 +129,97 @@ def test_packed_activations_errors_name_the_problem(tiny_llama, monkeypatch):
     monkeypatch.setenv("KVSERVE_KERNELS", "off")
     with pytest.raises(ValueError, match="int8 needs the compiled linear_q8 kernel: compiled kernels are turned off"):
         make_engine(tiny_llama, weight_dtype="int4", packed_activations="int8")
+
+
+# A llama GGUF whose matrices are the types a Q4_K_M / Q5_K_M file holds, and the rest; the fused
+# groups (q, k, v of layer 1; its gate and up) share a type, as fusing needs.
+KQUANT_TENSORS = {"token_embd": "q6_k",
+                  "blk.0.attn_q": "q4_k", "blk.0.attn_k": "q6_k", "blk.0.attn_v": "q5_0", "blk.0.attn_output": "q5_k",
+                  "blk.0.ffn_gate": "q3_k", "blk.0.ffn_up": "q2_k", "blk.0.ffn_down": "q5_1",
+                  "blk.1.attn_q": "iq4_nl", "blk.1.attn_k": "iq4_nl", "blk.1.attn_v": "iq4_nl",
+                  "blk.1.attn_output": "q6_k", "blk.1.ffn_gate": "q4_k", "blk.1.ffn_up": "q4_k", "blk.1.ffn_down": "q6_k"}
+
+
+@pytest.fixture(scope="module")
+def kquant_gguf(tmp_path_factory):
+    """Two layers, hidden 256 (one K-quant block a row), 4 heads of 64, 2 KV heads, FFN 512, a
+    vocabulary of 96, the head tied to the Q6_K embedding; random valid blocks of each type."""
+    import gguf
+    import numpy as np
+    from tests.kernels.kquant_blocks import random_packed
+    path = str(tmp_path_factory.mktemp("kquant") / "k.gguf")
+    hidden, ffn, vocab = 256, 512, 96
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_block_count(2), w.add_context_length(256), w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn), w.add_head_count(4), w.add_head_count_kv(2), w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0), w.add_vocab_size(vocab)
+    w.add_tokenizer_model("gpt2"), w.add_token_list(["t", "1", "t1"] + [f"x{i}" for i in range(vocab - 3)])
+    w.add_token_merges(["t 1"])
+    shapes = {"token_embd": (vocab, hidden), "attn_q": (hidden, hidden), "attn_k": (128, hidden),
+              "attn_v": (128, hidden), "attn_output": (hidden, hidden), "ffn_gate": (ffn, hidden),
+              "ffn_up": (ffn, hidden), "ffn_down": (hidden, ffn)}
+    for i, (name, fmt) in enumerate(KQUANT_TENSORS.items()):
+        p = random_packed(*shapes[name.rpartition(".")[2]], fmt, seed=i, scale=0.002)
+        w.add_tensor(f"{name}.weight", p.data.numpy(), raw_dtype=gguf.GGMLQuantizationType(p.fmt.ggml_type))
+    ones = np.ones(hidden, dtype=np.float32)
+    for name in ("output_norm", "blk.0.attn_norm", "blk.0.ffn_norm", "blk.1.attn_norm", "blk.1.ffn_norm"):
+        w.add_tensor(f"{name}.weight", ones)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def test_kquant_gguf_loads_packed_and_equals_its_dequantized_load(kquant_gguf):
+    """Every K-quant, Q5_0, Q5_1 and IQ4_NL matrix stays packed (a PackedLinear of its type, the
+    embedding a PackedEmbedding the tied head reads), and the logits of 12 greedy steps equal
+    those of the same file dequantized to fp32, within fp32 summation error."""
+    from kvserve.models.registry import load_weights
+    loaded = load_weights(kquant_gguf)
+    packed = make_engine(loaded, max_model_len=128)
+    dense = make_engine(loaded, max_model_len=128, weight_dtype="float32")
+    m = packed.model
+    layers = m.model.layers
+    assert layers[0].mlp.down_proj.fmt.name == "q5_1" and layers[0].self_attn.o_proj.fmt.name == "q5_k"
+    assert layers[1].self_attn.fused_qkv.fused.fmt.name == "iq4_nl"  # q, k and v fused
+    assert layers[1].mlp.fused_gate_up.fused.fmt.name == "q4_k"
+    assert isinstance(m.model.embed_tokens, PackedEmbedding) and m.model.embed_tokens.fmt.name == "q6_k"
+    assert m.lm_head.qweight.data_ptr() == m.model.embed_tokens.qweight.data_ptr()  # tied: one table
+    fmts = {mod.fmt.name for mod in m.modules() if isinstance(mod, (PackedLinear, PackedEmbedding))}
+    assert fmts == set(KQUANT_TENSORS.values())
+    prompts = [[1, 5, 9, 33, 70, 2], list(range(40, 80))]
+    outs_p, logits_p = run_collecting_logits(packed, prompts, greedy(12, ignore_eos=True))
+    outs_d, logits_d = run_collecting_logits(dense, prompts, greedy(12, ignore_eos=True))
+    for a, b in zip(outs_p, outs_d):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(logits_p[a.request_id], logits_d[b.request_id]):
+            assert (x - y).abs().max() <= 1e-4 * y.abs().max()
+
+
+def test_kquant_gguf_int8_activations_follow_the_float_model(kquant_gguf):
+    """--packed-activations int8 on the same file: every matrix a PackedLinearQ8Rows (the tied
+    head too, the embedding still reading its GGUF rows), the first and last step's logits within
+    25% (relative norm; observed 7% and 15%: random weights and sharp attention amplify each
+    product's rounding) of the fp32 model's on the same tokens. Each product is within its
+    derived bound in tests/kernels/test_kquants.py."""
+    from kvserve.models.packed import PackedLinearQ8Rows
+    from kvserve.models.registry import load_weights
+    if kernels_off():
+        pytest.skip("compiled kernels are turned off (KVSERVE_KERNELS=off)")
+    loaded = load_weights(kquant_gguf)
+    q8 = make_engine(loaded, max_model_len=128, packed_activations="int8")
+    m = q8.model
+    assert isinstance(m.lm_head, PackedLinearQ8Rows) and isinstance(m.model.embed_tokens, PackedEmbedding)
+    assert isinstance(m.model.layers[1].mlp.fused_gate_up.fused, PackedLinearQ8Rows)
+    assert not any(type(mod) is PackedLinear for mod in m.modules())
+    dense = make_engine(loaded, max_model_len=128, weight_dtype="float32")
+    prompt = [list(range(40, 80))]
+    (out,), logits_q = run_collecting_logits(q8, prompt, greedy(8, ignore_eos=True))
+    steps = next(iter(logits_q.values()))
+    # the fp32 model fed the same tokens: the prompt (the first step), then what int8 generated
+    for ids, x in ((prompt[0], steps[0]), (prompt[0] + out.outputs[0].token_ids[:-1], steps[-1])):
+        (_,), logits_d = run_collecting_logits(dense, [ids], greedy(1, ignore_eos=True))
+        y = next(iter(logits_d.values()))[0]
+        assert ((x - y).norm() / y.norm()).item() < 0.25
 
 
 def kernels_off():

@@ -10,7 +10,10 @@ The `gguf` package's reader builds a numpy view for every element of every metad
 (49,152 tokens and as many merges for SmolLM2: about 2.5 s); here a string array is one pass over
 its bytes and a number array one `frombuffer`. Q8_0, Q4_0 and Q4_1 tensors are dequantized
 here, per block `d * q` (Q8_0), `d * (q - 8)` (Q4_0) and `d * q + m` (Q4_1) over the whole tensor
-at once; other types go through `gguf.quants` (the same numbers, row group by row group).
+at once; other types go through `gguf.quants` (the same numbers, row group by row group). The
+matrices of the K-quants, Q5_0, Q5_1 and IQ4_NL are not dequantized here at all: the loader keeps
+them packed (kvserve.models.packed.BY_GGML_TYPE), dequantizing them only where a float weight is
+asked for (kvserve.models.kquants, bit-equal to `gguf.quants`).
 """
 
 from __future__ import annotations
