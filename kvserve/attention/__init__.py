@@ -29,10 +29,11 @@ def select(name: str, storage: Optional[KVStorage], device: torch.device, block_
     if name not in ("auto", "cpu-kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto or one of {BACKENDS}")
     if not supported:
-        raise ValueError("attention backend 'cpu-kernel' runs on CPU, over a paged cache")
-    module = cpu_kernel.kernel_module()
+        kind = f", not {storage.kind!r} blocks (they decode through torch)" if storage is not None else ""
+        raise ValueError(f"attention backend 'cpu-kernel' runs on CPU, over a paged cache of its formats{kind}")
+    module = cpu_kernel.kernel_module(storage=storage)
     if module is None:
         if name == "cpu-kernel":
-            raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure()}")
+            raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure(storage)}")
         return TorchAttentionBackend(block_size, dtype)
     return cpu_kernel.CpuKernelAttentionBackend(block_size, dtype, module)

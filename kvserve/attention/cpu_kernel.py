@@ -1,7 +1,9 @@
 """The CPU kernel backend: decodes through the compiled kernel
 (kvserve/kernels/csrc/paged_attention.cpp), which reads each context's K/V blocks in place
 through the block table, exactly its length (no gathered copy, no padding mask), dequantizing
-quantized blocks (int8, fp8, int4) one block at a time in registers; chunks take the torch path."""
+quantized blocks (int8, fp8, int4) one block at a time in registers; an MLA latent cache
+(dense, int8 or fp8 rows) decodes through mla_attention.cpp in the absorbed form, reading each
+token's [latent | rotary key] row in place; chunks take the torch path."""
 
 from __future__ import annotations
 
@@ -15,29 +17,41 @@ from kvserve.attention.torch_backend import TorchAttentionBackend, TorchAttentio
 from kvserve.kv.storage import KVStorage
 
 
-def kernel_module(isa: Optional[str] = None) -> Optional[Any]:
-    """The kernel at level `isa` (default: the best this CPU runs), or None where it cannot be
-    built or compiled kernels are turned off."""
-    return kernels.load("paged_attention", isa)
+def kernel_name(storage: Optional[KVStorage] = None) -> str:
+    """The compiled kernel that decodes over this storage's blocks (paged_attention without one)."""
+    entry = DECODE_ENTRIES.get(storage.kind) if storage is not None else None
+    return entry[0] if entry is not None else "paged_attention"
 
 
-def failure() -> Optional[str]:
-    return kernels.failure("paged_attention")
+def kernel_module(isa: Optional[str] = None, storage: Optional[KVStorage] = None) -> Optional[Any]:
+    """The kernel for `storage` at level `isa` (default: the best this CPU runs), or None where
+    it cannot be built or compiled kernels are turned off."""
+    return kernels.load(kernel_name(storage), isa)
 
 
-# the kernel's entry point for each storage kind (kvserve.kv.storage); each takes q, the
-# storage's decode_operands, block tables, context lengths, scale and window
-DECODE_ENTRIES = {"dense": "paged_decode", "int8": "paged_decode_int8", "fp8": "paged_decode_fp8",
-                  "int4": "paged_decode_int4"}
+def failure(storage: Optional[KVStorage] = None) -> Optional[str]:
+    return kernels.failure(kernel_name(storage))
+
+
+# the compiled kernel and its entry point for each storage kind (kvserve.kv.storage,
+# kvserve.kv.latent); each entry takes q, the storage's decode_operands, block tables, context
+# lengths, scale and window. MLA's latent rows are read by mla_attention.cpp in the absorbed form.
+DECODE_ENTRIES = {"dense": ("paged_attention", "paged_decode"), "int8": ("paged_attention", "paged_decode_int8"),
+                  "fp8": ("paged_attention", "paged_decode_fp8"), "int4": ("paged_attention", "paged_decode_int4"),
+                  "latent": ("mla_attention", "mla_decode"), "latent_int8": ("mla_attention", "mla_decode_int8"),
+                  "latent_fp8": ("mla_attention", "mla_decode_fp8")}
 
 
 def decode_kernel(module: Any, storage: KVStorage) -> Callable[..., torch.Tensor]:
-    """The kernel function that decodes over this storage's blocks in place."""
+    """The kernel function that decodes over this storage's blocks in place (module: the
+    build of kernel_name(storage))."""
     entry = DECODE_ENTRIES.get(storage.kind)
     if entry is None:
         raise ValueError(f"the CPU attention kernel reads no {storage.kind!r} storage; it reads "
                          f"{sorted(DECODE_ENTRIES)}")
-    return getattr(module, entry)  # type: ignore[no-any-return]
+    if not hasattr(module, entry[1]):
+        raise ValueError(f"{storage.kind!r} blocks are decoded by the {entry[0]} kernel, not by {module.__name__}")
+    return getattr(module, entry[1])  # type: ignore[no-any-return]
 
 
 class CpuKernelAttentionBackend(TorchAttentionBackend):
@@ -49,8 +63,9 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def supports(storage: Optional[KVStorage], device: torch.device, dtype: torch.dtype) -> bool:
-        """A paged cache on CPU, in any format (the kernel reads each format's blocks itself)."""
-        return device.type == "cpu" and storage is not None
+        """A paged cache on CPU, in any format it has an entry for (it reads each format's blocks
+        itself, MLA's latent rows too)."""
+        return device.type == "cpu" and storage is not None and storage.kind in DECODE_ENTRIES
 
     def _decode_mask(self, meta: TorchAttentionMetadata) -> None:
         """The kernel reads each context's exact length: no padding mask to build (groups with

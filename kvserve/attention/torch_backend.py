@@ -118,7 +118,7 @@ class TorchAttentionBackend(AttentionBackend):
         if nd == q.shape[0] and meta.sink_rotation is None:  # decode only: no rows to place
             assert storage is not None
             return self.decode(layer, q, storage, meta, scale, softcap)
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])  # values may be narrower than keys (MLA's latent)
         q_sink = None
         if meta.sink_rotation is not None:  # queries turned to their ranks, for the sinks' scores
             q_sink = rotate_halves(q, *meta.sink_rotation)
@@ -145,7 +145,7 @@ class TorchAttentionBackend(AttentionBackend):
             sink_columns = torch.arange(k.shape[1], device=k.device) < meta.sinks
         o = attend(q.view(grouped), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype), meta.decode_mask,
                    scale, softcap, None if q_sink is None else q_sink.view(grouped), sink_columns)
-        return o.reshape(B, H, D)
+        return o.reshape(B, H, -1)
 
     def _chunk(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: Optional[KVStorage], span: PrefillSpan, view: Optional[ChunkView],

@@ -178,6 +178,8 @@ def check_disaggregable(engine: Any) -> None:
     if engine.storage.kind == "int4" or not isinstance(engine.storage, BlockTensorStorage):
         raise ValueError(f"disaggregated prefill does not hand over {engine.config.kv_cache_dtype} caches yet "
                          "(int4 keeps its partial block outside the blocks): use a float, int8 or fp8 kv cache")
+    if engine.storage.kind.startswith("latent"):
+        raise ValueError("disaggregated prefill does not hand over latent (MLA) caches yet")
     if len(engine.kv.groups) != 1 or engine.kv.groups[0].spec.window is not None:
         raise ValueError("disaggregated prefill hands over full-attention caches only (no sliding windows)")
     if engine.config.parallel.tensor_parallel_size > 1:
