@@ -21,12 +21,14 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
+from collections import Counter
 from typing import Callable, Optional
 
 from kvserve.config import SchedulerConfig
 from kvserve.core.block_math import num_blocks_for
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.observers import Observers
+from kvserve.core.preemption import PreemptionCosts, Victim, make_preemption_mode
 from kvserve.core.outputs import (ModelRunnerOutput, ScheduledSequence, SchedulerOutput,
                                   SchedulerStats)
 from kvserve.core.request import Request, RequestGroup, RequestStatus
@@ -75,6 +77,9 @@ class Scheduler:
         self._step_preemptions = 0
         self._failed: list[Request] = []  # ended with an error inside the scheduler, for the engine to report
         self.paused: set[str] = set()  # groups held out of the steps (pause, resume)
+        # swap or recompute, per victim; the engine feeds the costs its measurements
+        self.preemption = make_preemption_mode(config.preemption_mode, PreemptionCosts())
+        self.preemption_choices: Counter[tuple[str, str]] = Counter()  # (swap | recompute, reason)
         self.key: Callable[[Request], PolicyKey] = (
             self._priority_key if config.policy == "priority" else self._fcfs_key)
 
@@ -341,8 +346,7 @@ class Scheduler:
         taken = {s.request_id for s in scheduled}
         while not (allocated := self._allocate(gang, sizes, specs)):
             # a paused request computes nothing meanwhile: it gives its blocks up first
-            victim = max((r for r in self.running if r.request_id not in taken),
-                         key=lambda r: (self.is_paused(r), self.key(r)))
+            victim = max((r for r in self.running if r.request_id not in taken), key=self._victim_rank)
             if victim in gang and len(self.running) == len(gang):
                 why = "this sequence" if len(gang) == 1 else f"the {len(gang)} beams of this request"
                 for member in gang:
@@ -489,11 +493,23 @@ class Scheduler:
                 return
             self._preempt(worst)
 
+    def _victim_rank(self, req: Request) -> tuple[bool, int, float, PolicyKey]:
+        """The largest goes first: a paused request (it computes nothing meanwhile), then the
+        policy's least important, then the cheapest to bring back, then the policy's last."""
+        return (self.is_paused(req), self.key(req)[0], -self.preemption.restore_cost(self._victim(req)),
+                self.key(req))
+
+    def _victim(self, req: Request) -> Victim:
+        num_blocks = self.kv.num_held_blocks(req.request_id)
+        return Victim(req.num_computed_tokens, num_blocks, self.kv.can_swap_out(req), runs_as_gang(req))
+
     def _preempt(self, victim: Request) -> None:
         """Take the victim's gang (itself, or every running beam of its group) out of the
-        running batch and queue it to resume. Beams are computed again, never swapped: swapped
-        one by one, the blocks they share would come back as a copy each."""
-        swap = self.config.preemption_mode == "swap" and not runs_as_gang(victim)
+        running batch and queue it to resume, swapped or recomputed as the preemption mode
+        chooses. Beams are computed again, never swapped: swapped one by one, the blocks they
+        share would come back as a copy each."""
+        swap, reason = self.preemption.choose(self._victim(victim))
+        self.preemption_choices["swap" if swap else "recompute", reason] += 1
         for member in gang_of(victim):
             if member.status == RequestStatus.RUNNING:
                 self._preempt_one(member, swap)

@@ -30,15 +30,17 @@ HYBRID = (CacheGroupSpec("sliding", (0,), window=6), CacheGroupSpec("full", (1,)
 
 
 def make_manager(num_blocks: int = 16, block_size: int = 4, caching: bool = True,
-                 cpu_blocks: int = 0, namespace=("m", "float32", "float32", None), groups=None) -> KVCacheManager:
+                 cpu_blocks: int = 0, namespace=("m", "float32", "float32", None), groups=None,
+                 eviction_policy: str = "lru") -> KVCacheManager:
     return KVCacheManager(num_blocks, block_size, caching, cpu_blocks, namespace,
-                          **({} if groups is None else {"groups": groups}))
+                          **({} if groups is None else {"groups": groups}), eviction_policy=eviction_policy)
 
 
 def make_scheduler(num_blocks: int = 16, block_size: int = 4, max_model_len: int = 64,
-                   caching: bool = True, cpu_blocks: int = 0, groups=None, **cfg) -> Scheduler:
-    return Scheduler(SchedulerConfig(**cfg), make_manager(num_blocks, block_size, caching, cpu_blocks, groups=groups),
-                     max_model_len)
+                   caching: bool = True, cpu_blocks: int = 0, groups=None, eviction_policy: str = "lru",
+                   **cfg) -> Scheduler:
+    kv = make_manager(num_blocks, block_size, caching, cpu_blocks, groups=groups, eviction_policy=eviction_policy)
+    return Scheduler(SchedulerConfig(**cfg), kv, max_model_len)
 
 
 def fake_step(sched: Scheduler, next_token=lambda rid, n: 7) -> SchedulerOutput:

@@ -1,13 +1,14 @@
 """A Hypothesis state machine over the Scheduler: requests arrive (some sharing prefixes, some
 with n > 1 samples, with priorities), are aborted, forked at any step, rolled back, given
-proposed tokens that a random number of are accepted, and preempted by recompute or swap in a
-pool far too small for them all. After every rule the scheduler's and the pool's invariants
-hold; at the end every block is back."""
+proposed tokens that a random number of are accepted, and preempted by recompute, swap or either
+(auto, by cost) in a pool far too small for them all, under every eviction policy. After every
+rule the scheduler's and the pool's invariants hold; at the end every block is back."""
 
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from kvserve.config import EVICTION_POLICIES
 from kvserve.core.outputs import ModelRunnerOutput
 from kvserve.core.request import RequestStatus
 from tests.core.factories import HYBRID, make_request, make_scheduler
@@ -16,14 +17,15 @@ VOCAB = 5  # few distinct tokens: prompts and outputs collide, so prefix hits ha
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(mode=st.sampled_from(["recompute", "swap"]), policy=st.sampled_from(["fcfs", "priority"]),
-                block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16), hybrid=st.booleans())
-    def setup(self, mode, policy, block_size, budget, hybrid):
+    @initialize(mode=st.sampled_from(["recompute", "swap", "auto"]), policy=st.sampled_from(["fcfs", "priority"]),
+                block_size=st.sampled_from([1, 2, 4]), budget=st.integers(3, 16), hybrid=st.booleans(),
+                eviction=st.sampled_from(EVICTION_POLICIES))
+    def setup(self, mode, policy, block_size, budget, hybrid, eviction):
         self.num_blocks = 48 // block_size * (2 if hybrid else 1)
         self.sched = make_scheduler(num_blocks=self.num_blocks, block_size=block_size, max_model_len=40,
-                                    cpu_blocks=self.num_blocks if mode == "swap" else 0, preemption_mode=mode,
+                                    cpu_blocks=self.num_blocks if mode != "recompute" else 0, preemption_mode=mode,
                                     policy=policy, max_num_batched_tokens=budget, max_num_seqs=6,
-                                    groups=HYBRID if hybrid else None)
+                                    groups=HYBRID if hybrid else None, eviction_policy=eviction)
         self.num_added = 0
 
     def live(self, *statuses):
