@@ -17,7 +17,7 @@ import time
 from typing import Any, Optional, Sequence
 
 from kvserve.server.args import ServeOptions
-from kvserve.server.router import RouterOptions, run_router, wait_healthy
+from kvserve.server.router import RouterOptions, load_tokenizer, run_router, wait_healthy
 
 logger = logging.getLogger("kvserve")
 START_TIMEOUT_S = 300.0
@@ -79,7 +79,8 @@ def serve_replicas(model: str, engine_options: dict[str, Any], options: ServeOpt
         urls = [f"http://127.0.0.1:{p}" for p in ports]
         wait_healthy(urls, START_TIMEOUT_S, replicas.procs)
         router = RouterOptions(options.host, options.port, api_key, options.max_body_bytes, options.shutdown_timeout)
-        return run_router(urls, router, on_shutdown=replicas.terminate)
+        tokenizer = load_tokenizer(model, engine_options.get("tokenizer"))  # requests are routed on tokens
+        return run_router(urls, router, on_shutdown=replicas.terminate, tokenizer=tokenizer)
     finally:
         replicas.stop()
         if in_main_thread:

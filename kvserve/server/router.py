@@ -1,13 +1,20 @@
-"""One OpenAI endpoint over several `kvserve serve` replicas, routed by cache affinity.
+"""One OpenAI endpoint over several `kvserve serve` replicas, routed by where each request's
+prefix already is.
 
-Each replica's prefix cache only helps the requests that reach it, so a request goes where its
-prefix most likely already is (SGLang's cache-aware router): the router remembers, per replica,
-the text of the requests it sent there (`PrefixIndex`, an approximate prefix tree) and sends a
-request to the replica whose remembered text shares the longest prefix with it, when that covers
-at least `cache_threshold` of its text; otherwise, or when the replicas' loads are far apart, to
-the least loaded one. Prefixes are remembered per tenant (API key and `cache_salt`), as a
-replica's cache keeps them apart: one tenant's traffic never decides where another's goes, so
-the routing tells nobody what another tenant sent.
+Each replica's prefix cache only helps the requests that reach it. The router follows every
+replica's KV events (GET /v1/kv/events, a long poll; `kvserve.server.kv_view`), so it knows the
+blocks each one holds in its pool and in its tiers below, named as the engine names them. A
+request is tokenized with the model's tokenizer and its blocks named by the engine's own chain
+hashes (kvserve.core.block_hash, seeded by the model's namespace and the request's cache_salt),
+and it goes to the replica with the lowest cost, as NVIDIA Dynamo's KV router weighs it:
+
+    cost(replica) = overlap_weight * (blocks to prefill there) + (blocks of requests in flight there)
+
+where the blocks to prefill are the request's blocks less the leading ones the replica holds
+(a block in a tier counts as partly held: it is loaded, not computed). A request whose tokens
+the router cannot tell (no tokenizer, or a body it cannot read) goes by load alone. Requests of
+different cache_salt share no block names, so one tenant's traffic never decides where
+another's goes.
 
 The front is guarded as a server is (`kvserve.server.app`'s guard): the same body limit, counted
 as a chunked body arrives; the same key rules, with /router/state behind the key too. A client
@@ -29,78 +36,56 @@ import time
 from collections import Counter, OrderedDict
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional, Sequence, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, Sequence, TypeVar
 from urllib.parse import urlsplit
 
 from fastapi import Request  # the routes' parameter type, resolved from this module's names
 
 from kvserve.config import OptionError, check_at_least, check_seconds
 from kvserve.server.args import ServeOptions, check_port
+from kvserve.server.kv_view import ReplicaBlocks
 
 logger = logging.getLogger("kvserve")
 
-CHUNK_CHARS = 16  # the prefix index's resolution
 KEYED_PATHS = ("/v1", "/router/")  # what needs the API key when one is set
+EVENT_POLL_S = 1.0  # how long one long poll of a replica's events may wait
 T = TypeVar("T")
 
 
-class PrefixIndex:
-    """For each replica, the prefixes of the texts routed to it, at CHUNK_CHARS resolution.
-    A text's keys are a chain of chunk hashes seeded by its tenant (`keys`), so two texts of one
-    tenant share their first k keys exactly when they share their first k chunks, and texts of
-    two tenants share none. Least recently used keys are forgotten past max_keys per replica
-    (the replica's own cache forgets too)."""
-
-    def __init__(self, max_keys: int = 200_000) -> None:
-        self.max_keys = max_keys
-        self._keys: dict[int, "OrderedDict[int, None]"] = {}
-
-    @staticmethod
-    def keys(text: str, tenant: Hashable = None) -> list[int]:
-        """The text's chain of chunk hashes, seeded by a hash of its tenant:
-
-            key[0] = hash((seed, chunk 0)),  key[i] = hash((key[i - 1], chunk i))
-
-        Each character is hashed once, so a text costs time linear in its length (hashing every
-        prefix from the start took 7.8 s for 1 MB). A last partial chunk has no key: with
-        CHUNK_CHARS = 4, "abcdefghij" has two keys, for "abcd" and then "efgh". Python's hash is
-        salted per process (keys never leave it) and 64 bits wide: two different chains meet by
-        chance about once in 2**60."""
-        key = hash(("kvserve.router", tenant))
-        keys = []
-        for start in range(0, len(text) - CHUNK_CHARS + 1, CHUNK_CHARS):
-            key = hash((key, text[start:start + CHUNK_CHARS]))
-            keys.append(key)
-        return keys
-
-    def match(self, replica: int, keys: Sequence[int]) -> int:
-        """How many leading keys the replica has seen."""
-        held = self._keys.get(replica)
-        if held is None:
-            return 0
-        n = 0
-        while n < len(keys) and keys[n] in held:
-            n += 1
-        return n
-
-    def insert(self, replica: int, keys: Sequence[int]) -> None:
-        held = self._keys.setdefault(replica, OrderedDict())
-        for k in keys:
-            held[k] = None
-            held.move_to_end(k)
-        while len(held) > self.max_keys:
-            held.popitem(last=False)
-
-    def forget(self, replica: int) -> None:
-        self._keys.pop(replica, None)
-
-
-def tenant_of(authorization: str, body: dict[str, Any]) -> tuple[str, Optional[str]]:
-    """Who may share a request's prefixes: the same API key (the Authorization header's token;
-    its scheme in any case, as the guard takes it) and the same cache_salt."""
-    _, _, token = authorization.strip().partition(" ")
+def cache_salt_of(body: dict[str, Any]) -> Optional[str]:
+    """The request's cache_salt, as the replica's engine seeds its block hashes with it."""
     salt = body.get("cache_salt")
-    return token.strip(), salt if isinstance(salt, str) else None
+    return salt if isinstance(salt, str) else None
+
+
+def request_tokens(tokenizer: Any, path: str, body: dict[str, Any]) -> Optional[list[int]]:
+    """The prompt's token ids as the replica will see them (a batch: its first prompt), or None
+    where the router cannot tell (no tokenizer, a body it cannot read)."""
+    if tokenizer is None:
+        return None
+    try:
+        if path.endswith("/chat/completions"):
+            messages = [{"role": m.get("role"), "content": _text_of(m.get("content"))}
+                        for m in body.get("messages") or [] if isinstance(m, dict)]
+            return list(tokenizer.encode_chat(messages)) if messages and tokenizer.chat_template else None
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and not all(isinstance(t, int) for t in prompt):
+            prompt = prompt[0]  # a batch goes where its first prompt's prefix is
+        if isinstance(prompt, str):
+            return list(tokenizer.encode(prompt))
+        if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return list(prompt)
+    except Exception as e:  # a body the replica will refuse: it is routed by load, and refused there
+        logger.debug("cannot tokenize a request for routing: %s", e)
+    return None
+
+
+def _text_of(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
 
 
 @dataclass
@@ -109,6 +94,7 @@ class Replica:
     url: str
     alive: bool = True
     in_flight: int = 0
+    active_blocks: int = 0  # blocks of the requests in flight there (the load a cost weighs)
     num_routed: int = 0
     num_failed: int = 0
     last_error: Optional[str] = None
@@ -116,16 +102,12 @@ class Replica:
 
 @dataclass
 class RoutingPolicy:
-    cache_threshold: float = 0.5  # the share of a request's text a replica must hold to be chosen for it
-    balance_abs_threshold: int = 16  # loads this far apart (in flight) ...
-    balance_rel_threshold: float = 2.0  # ... and this many times apart: route by load alone
+    overlap_weight: float = 1.0  # a block to prefill against a block of load (Dynamo's overlap_score_weight)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.cache_threshold, (int, float)) or not 0 <= self.cache_threshold <= 1:
-            raise OptionError("cache_threshold", f"must be a share in [0, 1], got {self.cache_threshold!r}")
-        check_at_least("balance_abs_threshold", self.balance_abs_threshold, 0)
-        # a factor below 1 would call any two loads "this many times apart"
-        check_at_least("balance_rel_threshold", self.balance_rel_threshold, 1, integer=False)
+        w = self.overlap_weight
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0 <= w < float("inf"):
+            raise OptionError("overlap_weight", f"must be a number >= 0, got {w!r}")
 
 
 def check_replica_url(url: str) -> None:
@@ -141,10 +123,12 @@ def check_replica_url(url: str) -> None:
 
 @dataclass
 class Router:
-    """Which replica serves a request (`choose`), and what the router has seen of them."""
+    """Which replica serves a request (`choose`), and what the router knows of them: their KV
+    blocks (`views`, fed by their events) and their load."""
 
     urls: Sequence[str]
     policy: RoutingPolicy = field(default_factory=RoutingPolicy)
+    tokenizer: Any = None  # the model's (kvserve.tokenizer); None: every request routed by load
 
     def __post_init__(self) -> None:
         if not self.urls:
@@ -152,32 +136,36 @@ class Router:
         for url in self.urls:
             check_replica_url(url)
         self.replicas = [Replica(i, u.rstrip("/")) for i, u in enumerate(self.urls)]
-        self.index = PrefixIndex()
+        self.views = [ReplicaBlocks() for _ in self.replicas]
         self.num_cache_routed = self.num_load_routed = self.num_rerouted = 0
         self.num_rejected: Counter[str] = Counter()  # requests the guard refused, by status
 
     def live(self, exclude: Sequence[int] = ()) -> list[Replica]:
         return [r for r in self.replicas if r.alive and r.index not in exclude]
 
-    def choose(self, text: str, exclude: Sequence[int] = (), tenant: Hashable = None) -> Optional[Replica]:
-        """The replica for a request whose routing text is `text`, from `tenant` (None: none is alive)."""
+    def block_names(self, token_ids: Optional[Sequence[int]], cache_salt: Optional[str]) -> list[bytes]:
+        """The request's block names as the replicas' engines name them (none until one answered)."""
+        if token_ids is None:
+            return []
+        view = next((v for v in self.views if v.namespace is not None), None)
+        return view.request_names(token_ids, cache_salt) if view is not None else []
+
+    def cost(self, replica: Replica, names: Sequence[bytes]) -> float:
+        overlap = self.views[replica.index].overlap(names)
+        return self.policy.overlap_weight * (len(names) - overlap) + replica.active_blocks
+
+    def choose(self, names: Sequence[bytes], exclude: Sequence[int] = ()) -> Optional[Replica]:
+        """The replica for a request with these block names (None: none is alive); its blocks
+        then count as held there until its own events say so."""
         live = self.live(exclude)
         if not live:
             return None
-        keys = PrefixIndex.keys(text, tenant)
-        loads = [r.in_flight for r in live]
-        least = min(live, key=lambda r: (r.in_flight, r.num_routed))
-        p = self.policy
-        imbalanced = max(loads) - min(loads) > p.balance_abs_threshold and max(loads) > p.balance_rel_threshold * min(loads)
-        matched = {r.index: self.index.match(r.index, keys) for r in live}
-        best = max(live, key=lambda r: (matched[r.index], -r.in_flight))
-        if not imbalanced and keys and matched[best.index] * CHUNK_CHARS >= p.cache_threshold * len(text):
-            chosen = best
+        chosen = min(live, key=lambda r: (self.cost(r, names), r.in_flight, r.num_routed))
+        if names and self.views[chosen.index].overlap(names[:1]) > 0:
             self.num_cache_routed += 1
         else:
-            chosen = least
             self.num_load_routed += 1
-        self.index.insert(chosen.index, keys)
+        self.views[chosen.index].predict(names)
         chosen.num_routed += 1
         return chosen
 
@@ -186,20 +174,11 @@ class Router:
             logger.warning("replica %d (%s) is out: %s", replica.index, replica.url, error)
         replica.alive, replica.last_error = False, error
         replica.num_failed += 1
-        self.index.forget(replica.index)  # its cache is gone with it
+        self.views[replica.index].reset()  # its cache is gone with it; its events start anew
 
     def reject(self, status: str) -> None:
         """The guard's count of what it refused (a server's metrics take the same call)."""
         self.num_rejected[status] += 1
-
-
-def routing_text(path: str, body: dict[str, Any]) -> str:
-    """What decides where a request goes: the prompt, or the conversation as rendered JSON."""
-    if path.endswith("/chat/completions"):
-        return json.dumps([[m.get("role"), m.get("content")] for m in body.get("messages") or []
-                           if isinstance(m, dict)], ensure_ascii=False)
-    prompt = body.get("prompt", "")
-    return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
 # ---- the HTTP front ----
@@ -235,17 +214,19 @@ class _Upstream:
     the replica's response, once, in a task of its own, so that a caller being cancelled (a
     client gone, a shutdown's end) cannot leave the connection open and the replica working."""
 
-    def __init__(self, replica: Replica, closing: set[asyncio.Task[None]]) -> None:
-        self.replica, self._closing = replica, closing
+    def __init__(self, replica: Replica, closing: set[asyncio.Task[None]], num_blocks: int) -> None:
+        self.replica, self._closing, self.num_blocks = replica, closing, num_blocks
         self.response: Any = None  # the replica's httpx response, once its headers have come
         self._released = False
         replica.in_flight += 1
+        replica.active_blocks += num_blocks
 
     async def release(self) -> None:
         if self._released:
             return
         self._released = True
         self.replica.in_flight -= 1
+        self.replica.active_blocks -= self.num_blocks
         if self.response is not None:
             task = asyncio.ensure_future(self.response.aclose())
             self._closing.add(task)
@@ -276,14 +257,14 @@ class _Front:
         from kvserve.server.app import APIError
         raw = await request.body()  # the guard holds it to the body limit
         body = _json_object(raw)
-        text = routing_text(path, body)
-        tenant = tenant_of(request.headers.get("authorization", ""), body)
+        tokens = await asyncio.to_thread(request_tokens, self.router.tokenizer, path, body)
+        names = self.router.block_names(tokens, cache_salt_of(body))
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
         tried: list[int] = []
-        while (replica := self.router.choose(text, tried, tenant)) is not None:
+        while (replica := self.router.choose(names, tried)) is not None:
             tried.append(replica.index)
             try:
-                return await self._via(replica, request, path, raw, headers, bool(body.get("stream")))
+                return await self._via(replica, request, path, raw, headers, bool(body.get("stream")), len(names))
             except httpx.HTTPError as e:
                 self.router.mark_dead(replica, f"{type(e).__name__}: {e}")
                 self.router.num_rerouted += 1
@@ -292,11 +273,11 @@ class _Front:
         raise APIError(503, "no replica is available to serve this request", kind="server_error")
 
     async def _via(self, replica: Replica, request: Request, path: str, raw: bytes, headers: dict[str, str],
-                   stream: bool) -> Any:
+                   stream: bool, num_blocks: int) -> Any:
         """The replica's answer (HTTPError: it failed before answering; ClientGone: the client left first)."""
         from fastapi.responses import Response, StreamingResponse
         from starlette.background import BackgroundTask
-        upstream = _Upstream(replica, self.closing)
+        upstream = _Upstream(replica, self.closing, max(num_blocks, 1))
         relayed = False
         try:
             sent = self.client.build_request("POST", replica.url + path, content=raw, headers=headers)
@@ -347,6 +328,28 @@ class _Front:
                     r.alive = True
             await asyncio.sleep(interval_s)
 
+    async def follow_events(self, replica: Replica, headers: dict[str, str]) -> None:
+        """Keep the router's view of the replica's blocks equal to its pool and tiers: long
+        polls of its KV events, from where the view stands (a replica out is followed again,
+        from scratch, once it is back)."""
+        import httpx
+        view = self.router.views[replica.index]
+        while True:
+            if not replica.alive:
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                got = await self.client.get(replica.url + "/v1/kv/events", headers=headers,
+                                            params={"since": view.cursor, "timeout_s": EVENT_POLL_S},
+                                            timeout=self.probe_timeout.connect + EVENT_POLL_S + 5)
+            except httpx.HTTPError:
+                await asyncio.sleep(0.2)  # the health check decides whether it is out
+                continue
+            if got.status_code == 200:
+                view.apply(got.json())
+            else:  # a replica without events (an older server) is routed to by load
+                await asyncio.sleep(EVENT_POLL_S)
+
     async def get(self, replica: Replica, path: str, headers: Optional[dict[str, str]] = None) -> Any:
         """A replica's answer to GET path, with a short timeout; None, and the replica out, if it fails."""
         import httpx
@@ -388,8 +391,13 @@ def create_router_app(router: Router, api_key: Optional[str] = None, health_inte
     async def lifespan(app: Any) -> AsyncIterator[None]:
         front.client = httpx.AsyncClient(timeout=front.timeout, limits=httpx.Limits(max_connections=None))
         health = asyncio.create_task(front.check_health(health_interval_s))
+        auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        feeds = [asyncio.create_task(front.follow_events(r, auth)) for r in router.replicas]
         yield
         health.cancel()
+        for feed in feeds:
+            feed.cancel()
+        await asyncio.gather(*feeds, return_exceptions=True)
         await asyncio.gather(*front.closing, return_exceptions=True)
         await front.client.aclose()
 
@@ -435,7 +443,8 @@ def _install_router_routes(app: Any, front: _Front) -> None:
 
     @app.get("/router/state")
     async def router_state() -> dict[str, Any]:
-        return {"replicas": [vars(r) for r in router.replicas], "cache_routed": router.num_cache_routed,
+        return {"replicas": [{**vars(r), "blocks": router.views[r.index].counts()} for r in router.replicas],
+                "cache_routed": router.num_cache_routed,
                 "load_routed": router.num_load_routed, "rerouted": router.num_rerouted,
                 "rejected": dict(router.num_rejected)}
 
@@ -510,13 +519,14 @@ class RouterOptions:
         check_seconds("shutdown_timeout", self.shutdown_timeout)
 
 
-def run_router(urls: Sequence[str], options: RouterOptions, on_shutdown: Optional[Callable[[], None]] = None) -> int:
+def run_router(urls: Sequence[str], options: RouterOptions, on_shutdown: Optional[Callable[[], None]] = None,
+               tokenizer: Any = None) -> int:
     """Serve until SIGTERM/SIGINT; then open requests get options.shutdown_timeout to finish and
     are closed (so aborted on their replicas). on_shutdown is called as the shutdown begins
     (`serve -dp` stops its replicas then, so that they wind down within the same grace)."""
     import uvicorn
     from kvserve.server.app import END_STREAMS_BEFORE_S, _GracefulServer  # SIGTERM: a graceful stop, exit 0
-    app = create_router_app(Router(list(urls), options.policy), options.api_key,
+    app = create_router_app(Router(list(urls), options.policy, tokenizer), options.api_key,
                             max_body_bytes=options.max_body_bytes)
     logger.info("routing http://%s:%d over %d replicas: %s", options.host, options.port, len(urls), ", ".join(urls))
     config = uvicorn.Config(app, host=options.host, port=options.port, log_level="info",
@@ -531,6 +541,13 @@ def run_router(urls: Sequence[str], options: RouterOptions, on_shutdown: Optiona
     server.before_cut = (0.0, shutting_down)
     server.run()
     return 0
+
+
+def load_tokenizer(model: str, tokenizer: Optional[str] = None) -> Any:
+    """The model's tokenizer, for naming requests' blocks as the replicas do (the weights read
+    with it are dropped at once)."""
+    from kvserve.models.registry import load_weights
+    return load_weights(model, tokenizer).tokenizer
 
 
 def wait_healthy(urls: Sequence[str], timeout_s: float, processes: Sequence[Any] = ()) -> None:

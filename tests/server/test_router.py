@@ -17,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.server.router import CHUNK_CHARS, Router, RoutingPolicy, merge_metrics
+from kvserve.server.router import Router, RoutingPolicy, merge_metrics
 from tests.conftest import STORIES_DIR, greedy, make_llm
 from tests.processes import healthy, running, wait_ready
 from tests.server.conftest import RunningServer, free_port
@@ -32,38 +32,61 @@ ENDINGS = [" Then", " One day", " She said", " They"]
 
 
 # ---- the policy ----
+def ready(router: Router, block_size: int = 4) -> Router:
+    """Every replica's view as after its first (empty) events answer: it names blocks now."""
+    for v in router.views:
+        v.apply({"epoch": "e", "next": 0, "events": [], "snapshot": None, "block_size": block_size,
+                 "namespace": ["m", "float32", "float32", None]})
+    return router
+
+
+FAMILY_IDS = [[1, *range(10 * f, 10 * f + 20)] for f in range(3)]  # 21 tokens: 5 full blocks of 4
+
+
+def names(router: Router, family: int, ending: int, salt=None) -> list[bytes]:
+    return router.block_names(FAMILY_IDS[family] + [200 + ending] * 3, salt)
+
+
 def test_a_family_sticks_to_the_replica_that_saw_it():
-    router = Router(["http://a", "http://b"])
-    first = [router.choose(f + ENDINGS[0]).index for f in FAMILIES]
-    for ending in ENDINGS[1:]:
-        assert [router.choose(f + ending).index for f in FAMILIES] == first
-    assert router.num_cache_routed == len(FAMILIES) * (len(ENDINGS) - 1)
+    router = ready(Router(["http://a", "http://b"]))
+    first = [router.choose(names(router, f, 0)).index for f in range(3)]
+    assert len(set(first)) == 2  # new prefixes spread by load
+    for ending in (1, 2, 3):
+        assert [router.choose(names(router, f, ending)).index for f in range(3)] == first
+    assert router.num_cache_routed == 9
 
 
-def test_new_text_goes_to_the_least_loaded_replica():
-    router = Router(["http://a", "http://b", "http://c"])
-    router.replicas[0].in_flight, router.replicas[1].in_flight = 5, 1
-    assert router.choose("a text nobody has sent before, long enough").index == 2
+def test_new_prefix_goes_to_the_least_loaded_replica():
+    router = ready(Router(["http://a", "http://b", "http://c"]))
+    router.replicas[0].active_blocks, router.replicas[1].active_blocks = 5, 1
+    assert router.choose(names(router, 0, 0)).index == 2
 
 
-def test_far_apart_loads_override_affinity():
-    router = Router(["http://a", "http://b"], RoutingPolicy(balance_abs_threshold=4, balance_rel_threshold=2))
-    home = router.choose(FAMILIES[0]).index
-    router.replicas[home].in_flight = 10
-    assert router.choose(FAMILIES[0] + ENDINGS[1]).index == 1 - home
+def test_load_outweighs_a_short_overlap_as_the_cost_says():
+    router = ready(Router(["http://a", "http://b"], RoutingPolicy(overlap_weight=1.0)))
+    home = router.choose(names(router, 0, 0)).index
+    request = names(router, 0, 1)  # 5 blocks, all held at home
+    router.replicas[home].active_blocks = 4  # cost at home 0 + 4 < elsewhere 5 + 0
+    assert router.choose(request).index == home
+    router.replicas[home].active_blocks = 6  # 0 + 6 > 5 + 0
+    assert router.choose(request).index == 1 - home
 
 
 def test_a_dead_replica_is_never_chosen_and_forgotten():
-    router = Router(["http://a", "http://b"])
-    home = router.choose(FAMILIES[0])
+    router = ready(Router(["http://a", "http://b"]))
+    home = router.choose(names(router, 0, 0))
     router.mark_dead(home, "killed")
-    assert all(router.choose(FAMILIES[0] + e).index != home.index for e in ENDINGS)
+    assert router.views[home.index].overlap(names(router, 0, 1)) == 0
+    assert all(router.choose(names(router, 0, e)).index != home.index for e in range(4))
     router.mark_dead(router.replicas[1 - home.index], "killed")
-    assert router.choose(FAMILIES[0]) is None
+    assert router.choose(names(router, 0, 0)) is None
 
 
-def test_short_text_shares_nothing():
-    assert len(Router(["http://a"]).index.keys("x" * (CHUNK_CHARS - 1))) == 0
+def test_a_prompt_shorter_than_a_block_has_no_names():
+    router = ready(Router(["http://a"]))
+    assert router.block_names([1, 2, 3, 4], None) == []  # the last token is always computed
+    assert len(router.block_names([1, 2, 3, 4, 5], None)) == 1
+    assert Router(["http://a"]).block_names([1] * 50, None) == []  # no replica answered yet
 
 
 def test_metrics_are_labelled_per_replica_with_a_total():
@@ -83,8 +106,8 @@ class Replicas:
     """n `kvserve serve` processes of stories260K and the router in a thread; leaving stops the
     router, then each replica with its process group, however the test ended."""
 
-    def __init__(self, n: int) -> None:
-        self.n = n
+    def __init__(self, n: int, tokenizer=None) -> None:
+        self.n, self.tokenizer = n, tokenizer
         self._stack = contextlib.ExitStack()
 
     def __enter__(self) -> "Replicas":
@@ -96,7 +119,7 @@ class Replicas:
                             for p in self.ports]
             self.procs = [s.proc for s in self.servers]
             wait_ready([(s, healthy(u)) for s, u in zip(self.servers, urls)], 120)  # started side by side
-            self.router = Router(urls)
+            self.router = Router(urls, tokenizer=self.tokenizer)
             app = create_router_app(self.router, health_interval_s=0.2)
             self.server = stack.enter_context(RunningServer(app, None))
             self._stack = stack.pop_all()  # all up: __exit__ stops them
@@ -124,7 +147,7 @@ def offline(stories):
 def test_families_meet_their_prefix_on_one_replica(offline):
     prompts = [f + e for e in ENDINGS for f in FAMILIES]  # each family's requests come apart in time
     single_cached = sum(offline.generate(p, greedy(16))[0].num_cached_tokens for p in prompts)
-    with Replicas(2) as r:
+    with Replicas(2, offline.engine.tokenizer) as r:
         homes: dict[str, set[str]] = {}
         cached = 0
         for p in prompts:

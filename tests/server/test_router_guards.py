@@ -1,7 +1,7 @@
 """The router is as guarded as a single server: its body limit holds for chunked bodies, it takes
 the API key as the server does (any case of "Bearer") and keeps /router/state behind it, a prefix
-lookup costs time linear in the text, routing by prefix never crosses tenants (cache_salt, API
-key), a client that leaves (streamed or not) ends its replica's work, and `serve -dp` exits within
+lookup costs time linear in the prompt, routing by prefix never crosses tenants (cache_salt), a
+client that leaves (streamed or not) ends its replica's work, and `serve -dp` exits within
 --shutdown-timeout with a request running and a body still arriving."""
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-from kvserve.server.router import Router, create_router_app
+from kvserve.server.router import Router, create_router_app, load_tokenizer
 from tests.processes import healthy, running, wait_ready
 from tests.server.conftest import RunningServer, free_port
-from tests.server.test_router import FAMILIES, serve_command
+from tests.conftest import STORIES_DIR
+from tests.server.test_router import FAMILIES, FAMILY_IDS, names, ready, serve_command
 
 KEY = "router-key-7"
 LONG = {"prompt": [f"Once upon a time {i}" for i in range(32)], "max_tokens": 480, "ignore_eos": True,
@@ -33,44 +34,40 @@ WIDE = {"prompt": [f"Once upon a time {i}" for i in range(64)], "max_tokens": 50
 
 
 # ---- the policy ----
-def test_a_prefix_lookup_is_linear_in_the_text():
-    router = Router(["http://a", "http://b"])
-    text = "Once upon a time. " * 55_556  # 1 MB: hashing every prefix from the start took 7.8 s
+def test_naming_a_long_request_is_linear_in_its_tokens():
+    router = ready(Router(["http://a", "http://b"]), block_size=16)
+    tokens = list(range(200_000)) * 5  # a million tokens: one hash per block, never per prefix
     t0 = time.monotonic()
-    first = router.choose(text)
-    again = router.choose(text + " And then")
-    assert time.monotonic() - t0 < 2.0
+    first = router.choose(router.block_names(tokens, None))
+    again = router.choose(router.block_names(tokens + [7, 8, 9], None))
+    assert time.monotonic() - t0 < 5.0
     assert again.index == first.index and router.num_cache_routed == 1
 
 
 def test_routing_by_prefix_never_crosses_tenants():
-    """A guess at another tenant's prompt is routed as a wrong guess is (the counter the attack
-    read told them apart 12 times in 12); a tenant's own prefix still routes by cache."""
-    router = Router(["http://a", "http://b"])
-    victim, attacker = ("key-1", "salt-a"), ("key-1", "salt-b")
-    for f in FAMILIES:
-        router.choose(f, tenant=victim)
+    """A guess at another tenant's prompt (another cache_salt) is routed as a wrong guess is: the
+    names of its blocks differ from the first block on; a tenant's own prefix still routes by cache."""
+    router = ready(Router(["http://a", "http://b"]))
+    for f in range(3):
+        router.choose(names(router, f, 0, salt="victim"))
     decisions = []
-    for f in FAMILIES:
-        right, wrong = f + " Then", f[::-1] + " Then"
+    for f in range(3):
+        right = names(router, f, 1, salt="attacker")
+        wrong = router.block_names(FAMILY_IDS[f][::-1] + [9, 9, 9], "attacker")
         for guess in (right, wrong):
             before = router.num_cache_routed
-            router.choose(guess, tenant=attacker)
+            router.choose(guess)
             decisions.append(router.num_cache_routed - before)
     assert decisions == [0] * len(decisions)
-    other_key = ("key-2", "salt-a")
     before = router.num_cache_routed
-    router.choose(FAMILIES[0] + " Then", tenant=other_key)
-    assert router.num_cache_routed == before
-    router.choose(FAMILIES[0] + " Then", tenant=victim)
+    router.choose(names(router, 0, 1, salt="victim"))
     assert router.num_cache_routed == before + 1
 
 
-def test_the_tenant_is_the_api_key_and_the_cache_salt():
-    from kvserve.server.router import tenant_of
-    a = tenant_of("Bearer key-1", {"cache_salt": "s"})
-    assert a == tenant_of("bearer  key-1", {"cache_salt": "s"})
-    assert a != tenant_of("Bearer key-2", {"cache_salt": "s"}) and a != tenant_of("Bearer key-1", {})
+def test_the_tenant_is_the_cache_salt():
+    from kvserve.server.router import cache_salt_of
+    assert cache_salt_of({"cache_salt": "s"}) == "s"
+    assert cache_salt_of({}) is None and cache_salt_of({"cache_salt": 3}) is None
 
 
 # ---- through HTTP, over real replicas ----
@@ -88,7 +85,7 @@ def replica_urls() -> Iterator[list[str]]:
 @contextlib.contextmanager
 def front(urls: list[str], **options: Any) -> Iterator[tuple[Router, RunningServer]]:
     """A router over the replicas, in a thread; every test's own, so no counter is shared."""
-    router = Router(urls)
+    router = Router(urls, tokenizer=load_tokenizer(str(STORIES_DIR)))
     with RunningServer(create_router_app(router, health_interval_s=0.2, **options), None) as server:
         yield router, server
 

@@ -63,9 +63,8 @@ def test_router_settings_that_cannot_work_are_refused_before_it_starts(capsys, n
             (["--port", "70000"], "--port must be in 0-65535"),
             (["--max-body-bytes", "0"], "--max-body-bytes must be an integer >= 1, got 0"),
             (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds >= 0"),
-            (["--cache-threshold", "1.5"], "--cache-threshold must be a share in [0, 1], got 1.5"),
-            (["--balance-abs-threshold", "-1"], "--balance-abs-threshold must be an integer >= 0, got -1"),
-            (["--balance-rel-threshold", "0.5"], "--balance-rel-threshold must be a number >= 1, got 0.5")):
+            (["--overlap-weight", "-1"], "--overlap-weight must be a number >= 0, got -1.0"),
+            (["--overlap-weight", "inf"], "--overlap-weight must be a number >= 0, got inf")):
         line = refused(capsys, ["router", "--replica", "http://127.0.0.1:9", *args])
         assert line.startswith(f"kvserve: error: {says}"), args
     for url in ("localhost:8000", "ftp://a", "http://a:99999"):
@@ -83,8 +82,8 @@ def test_the_options_dataclasses_check_what_they_are_given():
         ServeOptions(tool_call_parser="xml")
     with pytest.raises(OptionError, match="port"):
         RouterOptions(port=True)
-    with pytest.raises(OptionError, match="cache_threshold"):
-        RoutingPolicy(cache_threshold=float("nan"))
+    with pytest.raises(OptionError, match="overlap_weight"):
+        RoutingPolicy(overlap_weight=float("nan"))
 
 
 # ---- shutdown ----
