@@ -1,7 +1,7 @@
 """Sampling: logits [N, vocab] of the rows that sample -> token ids, one request per row.
 
-Greedy rows take the argmax; the others go through penalties, temperature, top-k, top-p and
-min-p (vectorized), then draw with random numbers that depend only on the request's key (its
+Each row's logit_bias comes first, then the structured-output mask and penalties; greedy rows
+take the argmax; the others go through temperature, top-k, top-p and min-p (vectorized), then draw with random numbers that depend only on the request's key (its
 seed) and the output position of the token being drawn (`draw_seed`). Nothing advances from
 one call to the next, so a seed reproduces its tokens whatever else is in the batch, however
 many guesses were checked and rejected, and however often the request was preempted and its
@@ -63,6 +63,20 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, history: Token
         logits -= params.presence_penalty * (counts > 0).to(logits.dtype)
     logits.copy_(bounded(logits))
     return logits
+
+
+def with_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Rows [R, vocab] with each row's logit_bias added (a copy; the input itself where no row has
+    a bias). It comes first, before penalties, filters and structured-output masks, as OpenAI's
+    and vLLM's, so a banned token stays banned and a mask still has the last word."""
+    rows = [i for i, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    biased = logits.clone()
+    for i in rows:
+        ids, bias = zip(*params[i].logit_bias)
+        biased[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+    return biased
 
 
 def bounded(logits: torch.Tensor) -> torch.Tensor:
@@ -204,6 +218,7 @@ class Sampler:
         """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence, each
         for the sequence's next output position (n > 1: the n samples of the fork point)."""
         raw = logits
+        logits = with_logit_bias(logits, [s.sampling_params for s in seqs])
         if self.structured is not None:
             logits = self.structured.mask(logits, seqs)
         if any(s.sampling_params.has_penalties for s in seqs):
@@ -246,7 +261,8 @@ class Sampler:
         its guesses with the target's key and positions, so it races the same random numbers and
         guesses what the target draws wherever their distributions agree."""
         params, spec = seq.sampling_params, seq.spec_token_ids
-        filtered = rows.clone()
+        filtered = with_logit_bias(rows, [params] * len(rows))
+        filtered = filtered.clone() if filtered is rows else filtered
         if params.has_penalties:
             history = self._history(seq, rows)
             for i in range(len(rows)):
@@ -272,15 +288,16 @@ class Sampler:
 
 
 def _logprobs(row: torch.Tensor, chosen: list[int], k: Optional[int]) -> Optional[list[dict[int, float]]]:
-    """Per sampled token: {its id: logprob} plus the k most likely ids (raw model logprobs)."""
+    """Per sampled token: the k most likely ids, most likely first, then the sampled id when it
+    is not among them (so a row holds k or k + 1 entries; raw model logprobs, before any bias,
+    penalty or mask, as vLLM's default)."""
     if k is None:
         return None
     lp = row.log_softmax(-1)
     top = lp.topk(min(k, lp.shape[-1])) if k > 0 else None
     out = []
     for t in chosen:
-        d = {t: float(lp[t])}
-        if top is not None:
-            d.update(zip(top.indices.tolist(), top.values.tolist()))
+        d = dict(zip(top.indices.tolist(), top.values.tolist())) if top is not None else {}
+        d.setdefault(t, float(lp[t]))
         out.append(d)
     return out

@@ -305,23 +305,49 @@ class NamedParser(ToolCallParser):
 
 
 class RequiredParser(ToolCallParser):
-    """Output forced to a JSON array of {"name", "parameters"}: its calls, once it is complete."""
+    """Output forced to a JSON array of {"name", "parameters"}: each call as soon as its object is
+    complete, so when the token budget cuts the array the calls before the cut are still calls
+    (the cut one is dropped; finish_reason "length" says the output was cut). An output cut
+    before any call is complete stays content."""
 
     def __init__(self) -> None:
         super().__init__()
         self.text = ""
+        self.pos = 0  # where the next item's separator ('[' first, then ',') is looked for
+        self.decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> ParsedDelta:
         self.text += text
-        return ParsedDelta()
+        out = ParsedDelta()
+        while (call := self._next_call()) is not None:
+            out.calls += self._call(*call)
+        return out
 
     def finish(self) -> ParsedDelta:
+        out = self.feed("")
+        if not self.calls:
+            out.content = self.text
+        return out
+
+    def _next_call(self) -> Optional[tuple[str, Any]]:
+        """The next complete item, read past; None until there is one."""
+        i = _skip_space(self.text, self.pos)
+        if i >= len(self.text) or self.text[i] != ("[" if self.pos == 0 else ","):
+            return None
         try:
-            items = json.loads(self.text)
-            named = [(c["name"], c["parameters"]) for c in items]
-        except (json.JSONDecodeError, KeyError, TypeError):  # cut short (max_tokens): stays content
-            return ParsedDelta(content=self.text)
-        return ParsedDelta(calls=[d for c in named for d in self._call(*c)])
+            obj, end = self.decoder.raw_decode(self.text, _skip_space(self.text, i + 1))
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "parameters" not in obj:
+            return None
+        self.pos = end
+        return obj["name"], obj["parameters"]
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
 
 
 def _partial_suffix(text: str, tag: str) -> int:

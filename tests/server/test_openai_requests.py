@@ -54,7 +54,7 @@ def test_content_parts_and_developer_role_equal_their_plain_forms(smollm2_server
     ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
       "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
-    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"one": 5}}, "logit_bias"),
 ])
 def test_what_is_not_served_is_refused_by_name(smollm2_server, body, param):
     r = chat(smollm2_server, **body)

@@ -45,7 +45,7 @@ def post(server, path, body, headers=AUTH, raw=None):
     ({"prompt": [1.0, 2.0]}, None, 400, "prompt"),
     (None, b'{"prompt": "\xff\xfe"}', 400, ""),  # invalid UTF-8: the OpenAI envelope all the same
     (None, "[" * 100_00 + "]" * 100_00, 400, ""),  # deep nesting
-    ({"prompt": "hi", "logit_bias": {"5": 10}}, None, 400, "logit_bias: not supported"),  # nothing ignored
+    ({"prompt": "hi", "logit_bias": {"5": 1000}}, None, 400, "logit_bias"),  # out of [-100, 100]
     ({"prompt": "hi", "suffix": "end"}, None, 400, "suffix"),
     ({"prompt": "hi", "frobnicate": 1}, None, 400, "frobnicate: not a field"),
     ({"prompt": "hi", "max_tokens": 2, "store": False, "logit_bias": None}, None, 200, None),  # asks for nothing
