@@ -148,7 +148,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 # ---- memory ----
 def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype: str,
                   block_size: int, dtype: str = "float32", sliding_window: Optional[int] = None,
-                  attention_sinks: int = 0, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                  attention_sinks: int = 0, tensor_parallel_size: int = 1, cache_layers: str = "all") -> dict[str, Any]:
     """The cache's cost from the same formula the engine sizes its cache by (kvserve.kv.formats),
     and, where layers slide (the model's own windows, or --sliding-window), what a sequence holds
     when each such layer keeps only its window: the engine's cache groups, counted as admission
@@ -186,7 +186,8 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
         "bits_per_value": fmt.bits, "metadata_bytes_per_token": fmt.metadata_bytes_per_token(cfg, block_size),
         "bytes_per_token": per_token, "mha_bytes_per_token": mha,
         "residual_bytes_per_sequence": residual, "fixed_bytes": fixed,
-        "attention": _attention_kind(cfg.num_attention_heads, cfg.num_key_value_heads),
+        "attention": "MLA (latent)" if cfg.mla is not None else _attention_kind(cfg.num_attention_heads,
+                                                                                cfg.num_key_value_heads),
         "context": ctx, "batch": batch, "total_bytes": per_token * ctx * batch + residual * batch + fixed,
         "mha_total_bytes": mha * ctx * batch, "block_size": block_size,
         "block_bytes": per_token * block_size, "blocks_per_sequence": blocks,
@@ -194,7 +195,63 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
         "layers_by_kind": layers_by_kind, "sliding_window": next((g.window for g in groups if g.window), None),
         "attention_sinks": attention_sinks, "sequence_bytes": sequence_bytes,
         "windowed_total_bytes": sequence_bytes * batch + residual * batch + fixed,
+        "layer_tokens": _layer_tokens(layers_by_kind, ctx, next((g.window for g in groups if g.window), None)),
+        "mla": _latent_report(cfg, fmt) if cfg.mla is not None else None,
+        "weights": _weight_report(cfg, canonical_dtype(dtype)),
+        "cache_layers": _cache_layers_report(cfg, fmt, cache_layers, block_size, ctx * batch, residual * batch + fixed),
     }
+
+
+def _cache_layers_report(cfg: Any, fmt: Any, spec: str, block_size: int, num_tokens: int,
+                         extra_bytes: int) -> Optional[dict[str, Any]]:
+    """--cache-layers: what the cache holds when only those layers keep K/V (None: all do)."""
+    from kvserve.kv.sizing import cached_layers_config
+    from kvserve.runner.layer_recompute import LayerSelection
+    selection = LayerSelection.of(spec, cfg.num_hidden_layers)
+    if selection is None:
+        return None
+    num_cached = len(selection.cached)
+    per_token = fmt.bytes_per_token(cached_layers_config(cfg, num_cached), block_size)
+    full = fmt.bytes_per_token(cfg, block_size) * num_tokens + extra_bytes
+    total = per_token * num_tokens + extra_bytes * num_cached / cfg.num_hidden_layers
+    return {"spec": spec, "cached_layers": list(selection.cached), "num_recomputed": selection.num_recomputed,
+            "description": selection.describe(), "bytes_per_token": per_token, "total_bytes": total,
+            "full_total_bytes": full, "saving": 1 - total / full}
+
+
+def _weight_report(cfg: Any, dtype: str) -> dict[str, Any]:
+    """The weights at the model dtype, and what one decode token reads (an MoE layer: its active experts)."""
+    from kvserve.config import DTYPE_BYTES
+    from kvserve.kv.sizing import weight_params
+    count = weight_params(cfg)
+    total, per_token = count.bytes(DTYPE_BYTES[dtype])
+    moe = cfg.moe
+    return {"dtype": dtype, "params": count.total, "params_per_token": count.per_token, "bytes": total,
+            "bytes_per_token": per_token, "experts": moe.num_experts if moe else None,
+            "experts_per_token": moe.num_experts_per_tok if moe else None}
+
+
+def _layer_tokens(layers_by_kind: dict[str, int], context: int, window: Optional[int]) -> dict[str, int]:
+    """Tokens of layer K/V a sequence holds, summed over layers: every layer every token (the
+    textbook formula's count) and with each sliding layer holding at most its window (counted in
+    tokens, not blocks). 3 full and 15 sliding layers, 2,048 tokens, window 512: 36,864 and 13,824."""
+    layers = sum(layers_by_kind.values())
+    sliding = layers_by_kind.get("sliding", 0)
+    held = (layers - sliding) * context + sliding * min(context, window or context)
+    return {"every_layer_every_token": layers * context, "windowed": held}
+
+
+def _latent_report(cfg: Any, fmt: Any) -> dict[str, Any]:
+    """An MLA model's cache: the latent and rotary key per layer, next to GQA with 8 KV heads
+    holding each head's key (nope + rope) and value as an MHA cache of the same heads would."""
+    m = cfg.mla
+    per_head = (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * cfg.num_hidden_layers * fmt.bits / 8
+    return {"kv_lora_rank": m.kv_lora_rank, "qk_rope_head_dim": m.qk_rope_head_dim, "latent_values": m.latent_dim,
+            "key_head_dim": m.qk_nope_head_dim + m.qk_rope_head_dim, "value_head_dim": m.v_head_dim,
+            "gqa_kv_heads": GQA_COMPARED, "gqa_bytes_per_token": per_head * GQA_COMPARED}
+
+
+GQA_COMPARED = 8  # KV heads of the GQA cache an MLA model's latent is set beside (Llama 3's count)
 
 
 def _attention_kind(heads: int, kv_heads: int) -> str:
@@ -205,7 +262,7 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 
 # The engine options `kvserve memory` costs a cache by, with its own words for some
 MEMORY_OPTIONS = ("kv_cache_dtype", "dtype", "block_size", "sliding_window", "attention_sinks",
-                  "tensor_parallel_size")
+                  "tensor_parallel_size", "cache_layers")
 MEMORY_HELP = {
     "kv_cache_dtype": "auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4",
     "dtype": "the model dtype (what auto means)",
@@ -218,15 +275,18 @@ def cmd_memory(a: argparse.Namespace) -> int:
     for option in ("batch", "tensor_parallel_size") + (("context",) if a.context is not None else ()):
         check_at_least(option, getattr(a, option), 1)
     r = memory_report(a.model, a.context, a.batch, a.kv_cache_dtype, a.block_size, a.dtype, a.sliding_window,
-                      a.attention_sinks, a.tensor_parallel_size)
+                      a.attention_sinks, a.tensor_parallel_size, a.cache_layers)
     if a.json:
         print(json.dumps(r))
         return 0
     print(f"model {r['model']}: {r['layers']} layers, {r['query_heads']} query heads, "
           f"{r['kv_heads']} KV heads, head_dim {r['head_dim']} -> {r['attention']}")
     meta = f" + {r['metadata_bytes_per_token']:g} bytes of scales" if r["metadata_bytes_per_token"] else ""
-    print(f"KV per token ({r['kv_cache_dtype']}): 2 x {r['layers']} x {r['kv_heads']} x {r['head_dim']} x "
-          f"{r['bits_per_value']}/8{meta} = {r['bytes_per_token']:,.0f} bytes ({_human(r['bytes_per_token'])})")
+    if r["mla"] is not None:
+        _print_latent(r, meta)
+    else:
+        print(f"KV per token ({r['kv_cache_dtype']}): 2 x {r['layers']} x {r['kv_heads']} x {r['head_dim']} x "
+              f"{r['bits_per_value']}/8{meta} = {r['bytes_per_token']:,.0f} bytes ({_human(r['bytes_per_token'])})")
     if r["residual_bytes_per_sequence"]:
         print(f"  plus the block being filled, unquantized: {_human(r['residual_bytes_per_sequence'])} per sequence")
     if r["fixed_bytes"]:
@@ -243,13 +303,53 @@ def cmd_memory(a: argparse.Namespace) -> int:
         print(f"with sliding layers ({kinds}; window {r['sliding_window']}{sinks}), a sliding layer keeps "
               f"only its window's blocks: {_human(r['sequence_bytes'])} per sequence, "
               f"{_human(r['windowed_total_bytes'])} in all ({r['paged_total_bytes'] / r['windowed_total_bytes']:.1f}x less)")
+        _print_hybrid(r)
     if r["tensor_parallel_size"] > 1:
         tp, per_rank = r["tensor_parallel_size"], r["bytes_per_token_per_rank"]
         replicated = tp * r["kv_heads_per_rank"] > r["kv_heads"]
         print(f"tensor parallel {tp}: each rank holds {r['kv_heads_per_rank']} KV head(s)"
               f"{' (replicated: fewer KV heads than ranks)' if replicated else ''}, {per_rank:,.0f} bytes per token, "
               f"{_human(r['paged_total_bytes_per_rank'])} per rank for this context and batch")
+    if r["cache_layers"] is not None:
+        _print_cache_layers(r["cache_layers"])
+    _print_weights(r["weights"])
     return 0
+
+
+def _print_cache_layers(c: dict[str, Any]) -> None:
+    print(f"--cache-layers {c['spec']}: {c['description']}")
+    print(f"  {c['bytes_per_token']:,.0f} bytes per token; {c['total_bytes']:,.0f} bytes ({_human(c['total_bytes'])}) "
+          f"for this context and batch instead of {_human(c['full_total_bytes'])}: {c['saving']:.1%} less. "
+          f"Each step runs the {c['num_recomputed']} recomputed layers over whole sequences")
+
+
+def _print_hybrid(r: dict[str, Any]) -> None:
+    """The textbook figure, every layer holding every token, beside what the layers hold when the
+    sliding ones keep only their window (per sequence, in tokens of layer K/V)."""
+    per_layer_token = r["bytes_per_token"] / r["layers"]
+    every, held = r["layer_tokens"]["every_layer_every_token"], r["layer_tokens"]["windowed"]
+    sliding = r["layers_by_kind"].get("sliding", 0)
+    print(f"  every layer holding every token: 2 x {r['bits_per_value'] // 8 or r['bits_per_value'] / 8:g} x "
+          f"{r['layers']} x {r['kv_heads']} x {r['head_dim']} x {r['context']:,} = {every * per_layer_token:,.0f} bytes "
+          f"({_human(every * per_layer_token)}) per sequence; with the {sliding} sliding layers holding their "
+          f"{r['sliding_window']:,} tokens: {held * per_layer_token:,.0f} bytes ({_human(held * per_layer_token)}, "
+          f"{every / held:.1f}x less)")
+
+
+def _print_weights(w: dict[str, Any]) -> None:
+    experts = (f" (active experts only: {w['experts_per_token']} of {w['experts']} per MoE layer)"
+               if w["experts"] else "")
+    print(f"weights ({w['dtype']}): {w['params'] / 1e9:,.2f}B parameters, {_human(w['bytes'])}; a decode token "
+          f"reads {w['params_per_token'] / 1e9:,.2f}B, {_human(w['bytes_per_token'])}{experts}")
+
+
+def _print_latent(r: dict[str, Any], meta: str) -> None:
+    m = r["mla"]
+    print(f"KV per token ({r['kv_cache_dtype']}, latent): {r['layers']} x ({m['kv_lora_rank']} latent + "
+          f"{m['qk_rope_head_dim']} rotary key) x {r['bits_per_value']}/8{meta} = {r['bytes_per_token']:,.0f} bytes "
+          f"({_human(r['bytes_per_token'])})")
+    print(f"  GQA with {m['gqa_kv_heads']} KV heads (key {m['key_head_dim']}, value {m['value_head_dim']} each): "
+          f"{m['gqa_bytes_per_token']:,.0f} bytes per token ({m['gqa_bytes_per_token'] / r['bytes_per_token']:.1f}x)")
 
 
 def _human(n: float) -> str:
@@ -356,10 +456,11 @@ def cmd_serve(a: argparse.Namespace) -> int:
 
 
 def cmd_router(a: argparse.Namespace) -> int:
-    from kvserve.server.router import RouterOptions, RoutingPolicy, run_router
+    from kvserve.server.router import RouterOptions, RoutingPolicy, load_tokenizer, run_router
     options = RouterOptions(a.host, a.port, a.api_key or env_api_key(), a.max_body_bytes, a.shutdown_timeout,
-                            RoutingPolicy(a.cache_threshold, a.balance_abs_threshold, a.balance_rel_threshold))
-    return run_router(a.replica, options)
+                            RoutingPolicy() if a.overlap_weight is None else RoutingPolicy(a.overlap_weight))
+    tokenizer = load_tokenizer(a.model, a.tokenizer) if a.model else None
+    return run_router(a.replica, options, tokenizer=tokenizer)
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -432,11 +533,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger bodies are refused with 413 (counted as they arrive), as by a server")
     r.add_argument("--shutdown-timeout", type=float, default=ServeOptions.shutdown_timeout,
                    help="seconds open requests get to finish on SIGTERM; then they are closed")
-    r.add_argument("--cache-threshold", type=float, default=0.5,
-                   help="route by prefix when a replica holds at least this share of a request's text")
-    r.add_argument("--balance-abs-threshold", type=int, default=16,
-                   help="route by load alone when in-flight counts differ by more than this ...")
-    r.add_argument("--balance-rel-threshold", type=float, default=2.0, help="... and by this factor")
+    r.add_argument("--model", default=None,
+                   help="the replicas' model, whose tokenizer names requests' KV blocks as the replicas do "
+                        "(without it requests are routed by load alone)")
+    r.add_argument("--tokenizer", default=None, help="a tokenizer.json to use instead of the model's")
+    r.add_argument("--overlap-weight", type=float, default=None,
+                   help="cost = weight * (blocks to prefill on a replica) + (blocks in flight there); "
+                        "default: RoutingPolicy's, 1")
     r.set_defaults(func=cmd_router)
     b = sub.add_parser("bench", help="benchmarks that print figures")
     bsub = b.add_subparsers(dest="bench", required=True)

@@ -31,7 +31,8 @@ KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
 KV_LAYOUTS = ("paged", "contiguous")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-PREEMPTION_MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("auto", "recompute", "swap")  # auto: per victim, whichever its measured cost favours
+EVICTION_POLICIES = ("lru", "fifo", "priority", "cost")  # kvserve.core.eviction
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # the model `LLM()` and the command line load unless told
 
 
@@ -82,7 +83,7 @@ FlagConversion = Callable[[str, Any], Any]
 def option(default: Any, help: Optional[str] = None, *, name: Optional[str] = None,
            flags: tuple[str, ...] = (), choices: Optional[Sequence[str]] = None,
            metavar: Optional[str] = None, flag_type: Optional[type] = None,
-           from_flag: Optional[FlagConversion] = None) -> Any:
+           from_flag: Optional[FlagConversion] = None, nargs: Optional[str] = None) -> Any:
     """A config field that is an engine option, with its default; the rest is how front ends name it.
 
     name: its flat name, as `LLM(...)` takes it (default: the field's).
@@ -91,9 +92,10 @@ def option(default: Any, help: Optional[str] = None, *, name: Optional[str] = No
         options may share one flag, the first declared parsing it, each converting its value.
     flag_type, from_flag: what the flag parses (default: the field's type), and how that value
         becomes the option's (from_flag(name, value); default: as it is).
+    nargs: argparse's, for a flag that takes several values (--lora-modules a=DIR b=DIR).
     """
     spec = dict(help=help, name=name, flags=flags, choices=tuple(choices) if choices else None,
-                metavar=metavar, flag_type=flag_type, from_flag=from_flag)
+                metavar=metavar, flag_type=flag_type, from_flag=from_flag, nargs=nargs)
     return field(default=default, metadata={"option": spec})
 
 
@@ -142,6 +144,45 @@ def canonical_kv_cache_dtype(name: str) -> str:
     return key
 
 
+def chosen_cache_layers(spec: str, num_layers: Optional[int] = None) -> Optional[tuple[int, ...]]:
+    """The layers --cache-layers names, ascending; None for "all". Forms: "all", "last:N", a
+    list "0,5,7" (one number is a list of one layer) or a fraction "0.25" of the layers, the last
+    ones (rounded up). Without num_layers only the form is checked (the model is not
+    known yet) and None is returned. chosen_cache_layers("last:2", 5) == (3, 4)."""
+    def refuse(problem: str) -> OptionError:
+        return OptionError("cache_layers", f"{spec!r}: {problem}")
+    text = spec.strip().lower()
+    if text == "all":
+        return None
+    try:
+        if text.startswith("last:"):
+            count, layers = int(text[5:]), None
+        elif "." in text:
+            fraction, count, layers = float(text), 0, None
+        else:
+            count, layers = 0, tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise refuse('expected "all", "last:N", a list of layers "0,5,7" or a fraction "0.25"') from None
+    if "." in text and not 0 < fraction <= 1:
+        raise refuse("a fraction of the layers must be in (0, 1]")
+    if layers is not None and len(set(layers)) != len(layers):
+        raise refuse("a layer is named twice")
+    if layers is not None and min(layers) < 0:
+        raise refuse("layers are numbered from 0")
+    if layers is None and "." not in text and count < 1:
+        raise refuse("at least one layer must keep its cache (--no-cache keeps none)")
+    if num_layers is None:
+        return None
+    if layers is None:
+        count = count or math.ceil(float(text) * num_layers - 1e-9)  # at least that share of the layers
+        if count > num_layers:
+            raise refuse(f"the model has {num_layers} layers")
+        layers = tuple(range(num_layers - count, num_layers))
+    if max(layers) >= num_layers:
+        raise refuse(f"the model has layers 0..{num_layers - 1}")
+    return tuple(sorted(layers))
+
+
 def env_api_key() -> Optional[str]:
     return os.environ.get("KVSERVE_API_KEY") or None
 
@@ -164,12 +205,125 @@ def env_cxx() -> str:
     return os.environ.get("CXX", "c++")
 
 
+MOE_SCORINGS = ("softmax", "sigmoid")  # how router logits become expert scores
+MOE_GROUP_SCORES = ("max", "top2_sum")  # how a group of experts is scored (DeepSeek-V2, V3)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The mixture-of-experts part of a decoder: which layers route, and the routing rule as data.
+
+    A token's router logits [num_experts] become scores (softmax or sigmoid); with n_group > 1
+    the experts form n_group groups, each scored by its best score ("max", DeepSeek-V2) or the sum
+    of its best two ("top2_sum", DeepSeek-V3), and only the topk_group best groups compete. The
+    num_experts_per_tok best experts (ranked by score + e_score_correction_bias where the model
+    has that bias) weigh their outputs by their scores, renormalized to sum to 1 where
+    norm_topk_prob, times routed_scaling_factor. Shared experts (one MLP of
+    shared_expert_intermediate_size) see every token; Qwen2-MoE scales theirs by a sigmoid gate.
+    dense_layers: the layers whose MLP is a dense one of the model's intermediate_size.
+    """
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    score_correction_bias: bool = False
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False
+    dense_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for attr in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"):
+            value = getattr(self, attr)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MoEConfig.{attr} must be an integer >= 1, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"MoEConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be at most "
+                             f"num_experts ({self.num_experts})")
+        if self.scoring not in MOE_SCORINGS:
+            raise ValueError(f"MoEConfig.scoring must be one of {MOE_SCORINGS}, got {self.scoring!r}")
+        if self.group_score not in MOE_GROUP_SCORES:
+            raise ValueError(f"MoEConfig.group_score must be one of {MOE_GROUP_SCORES}, got {self.group_score!r}")
+        self._check_groups()
+        if self.shared_expert_intermediate_size < 0:
+            raise ValueError(f"MoEConfig.shared_expert_intermediate_size must be >= 0, "
+                             f"got {self.shared_expert_intermediate_size}")
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError("MoEConfig.shared_expert_gate needs a shared expert (shared_expert_intermediate_size)")
+        if not math.isfinite(self.routed_scaling_factor) or self.routed_scaling_factor <= 0:
+            raise ValueError(f"MoEConfig.routed_scaling_factor must be > 0, got {self.routed_scaling_factor}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    def _check_groups(self) -> None:
+        if self.num_experts % self.n_group:
+            raise ValueError(f"MoEConfig.num_experts ({self.num_experts}) must split into n_group "
+                             f"({self.n_group}) equal groups")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"MoEConfig.topk_group ({self.topk_group}) must be at most n_group ({self.n_group})")
+        if self.group_score == "top2_sum" and self.n_group > 1 and self.num_experts // self.n_group < 2:
+            raise ValueError("MoEConfig.group_score 'top2_sum' needs at least 2 experts per group")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"MoEConfig.num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts "
+                             f"of the topk_group ({self.topk_group}) groups it chooses from")
+
+    def is_sparse(self, layer_idx: int) -> bool:
+        """Whether this layer's MLP is the routed experts (else a dense MLP)."""
+        return layer_idx not in self.dense_layers
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): keys and values come from one compressed
+    latent per token (kv_lora_rank values) and a rotary key shared by the heads
+    (qk_rope_head_dim); the cache holds only those. Each head's query is qk_nope_head_dim +
+    qk_rope_head_dim wide, its value v_head_dim. q_lora_rank None: a direct q_proj (V2-Lite)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int] = None
+    rope_interleave: bool = True  # rotary pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out
+    # "latent": the cache holds the latent (the point of MLA); "expanded": per-head K and V, V padded
+    # to the key's width, as an MHA cache of the same heads would (the baseline MLA is measured against)
+    cache_form: str = "latent"
+
+    def __post_init__(self) -> None:
+        for attr in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "q_lora_rank"):
+            value = getattr(self, attr)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"MLAConfig.{attr} must be an integer >= 1, got {value!r}")
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"MLAConfig.qk_rope_head_dim must be even (rotary pairs), got {self.qk_rope_head_dim}")
+        if self.cache_form not in ("latent", "expanded"):
+            raise ValueError(f"MLAConfig.cache_form must be 'latent' or 'expanded', got {self.cache_form!r}")
+        if self.cache_form == "expanded" and self.v_head_dim > self.qk_nope_head_dim + self.qk_rope_head_dim:
+            raise ValueError("MLAConfig.cache_form 'expanded' pads values to the key's width: v_head_dim "
+                             f"{self.v_head_dim} is wider than qk_nope_head_dim + qk_rope_head_dim")
+
+    @property
+    def caches_latent(self) -> bool:
+        return self.cache_form == "latent"
+
+    @property
+    def latent_dim(self) -> int:
+        """Values the cache holds per token and layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of a decoder: the Llama family (Llama, Mistral, Qwen2, SmolLM, llama2.c)
     and Gemma 2 and 3 (architecture "gemma2", "gemma3"), which add GeGLU, scaled embeddings,
     norms after attention and MLP (and on q and k in Gemma 3), logit soft-capping, their own query
-    scale and a local RoPE base for their sliding-window layers."""
+    scale and a local RoPE base for their sliding-window layers; the dense families "qwen3",
+    "phi3", "olmo2", "smollm3" and "granite" (kvserve/models/<family>.py) with their partial
+    rotary (rotary_dim), NoPE layers (nope_layers) and Granite's multipliers."""
 
     vocab_size: int
     hidden_size: int
@@ -193,6 +347,14 @@ class ModelConfig:
     attn_logit_softcapping: Optional[float] = None  # scores -> cap * tanh(scores / cap)
     final_logit_softcapping: Optional[float] = None
     rope_local_theta: Optional[float] = None  # RoPE base of sliding layers (Gemma 3)
+    mla: Optional[MLAConfig] = None  # latent attention (DeepSeek): what the cache holds per token
+    moe: Optional[MoEConfig] = None  # mixture-of-experts layers (None: every MLP dense)
+    rotary_dim: int = 0  # leading dims of each head RoPE turns (0: head_dim; Phi-4-mini: 3/4)
+    nope_layers: tuple[int, ...] = ()  # layers that take no RoPE (SmolLM3: every fourth)
+    attention_multiplier: Optional[float] = None  # the attention scale itself (Granite)
+    embedding_multiplier: float = 1.0  # embeddings times this (Granite)
+    residual_multiplier: float = 1.0  # each block's output times this before its add (Granite)
+    logits_scaling: float = 1.0  # logits divided by this (Granite)
 
     def __post_init__(self) -> None:
         self._check_sizes()
@@ -208,6 +370,11 @@ class ModelConfig:
         if self.head_dim < 1:
             raise ValueError(f"ModelConfig.head_dim must be >= 1, got {self.head_dim} (hidden_size "
                              f"{self.hidden_size} // num_attention_heads {self.num_attention_heads})")
+        self._check_rope_layout()
+        self._check_multipliers()
+        if self.moe is not None and any(i >= self.num_hidden_layers or i < 0 for i in self.moe.dense_layers):
+            raise ValueError(f"MoEConfig.dense_layers {self.moe.dense_layers} name layers outside "
+                             f"0..{self.num_hidden_layers - 1}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -221,6 +388,33 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(f"ModelConfig.{attr} must be an integer >= {least}, got {value!r}")
 
+    def _check_rope_layout(self) -> None:
+        """rotary_dim, where given, an even count of a head's dims (0: all of them); nope_layers
+        real layers."""
+        if self.rotary_dim == 0:
+            object.__setattr__(self, "rotary_dim", self.head_dim)
+        elif isinstance(self.rotary_dim, bool) or not isinstance(self.rotary_dim, int) \
+                or not 2 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ValueError(f"ModelConfig.rotary_dim must be an even integer in 2..head_dim "
+                             f"({self.head_dim}), got {self.rotary_dim!r}")
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.num_hidden_layers
+               for i in self.nope_layers):
+            raise ValueError(f"ModelConfig.nope_layers must name layers in 0..{self.num_hidden_layers - 1}, "
+                             f"got {self.nope_layers}")
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(self.nope_layers))))
+
+    def _check_multipliers(self) -> None:
+        """Granite's multipliers: finite numbers, the ones divided by or used as a scale > 0."""
+        for attr in ("attention_multiplier", "embedding_multiplier", "residual_multiplier", "logits_scaling"):
+            value = getattr(self, attr)
+            if value is None and attr == "attention_multiplier":
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or (attr in ("attention_multiplier", "logits_scaling") and value <= 0):
+                raise ValueError(f"ModelConfig.{attr} must be a finite number"
+                                 f"{' > 0' if attr in ('attention_multiplier', 'logits_scaling') else ''}, "
+                                 f"got {value!r}")
+
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
@@ -232,6 +426,10 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        """What q.k is multiplied by: Granite's attention_multiplier, else (query_pre_attn_scalar or
+        head_dim) ** -0.5."""
+        if self.attention_multiplier is not None:
+            return float(self.attention_multiplier)
         return float(self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
 
@@ -259,6 +457,9 @@ class CacheConfig:
     kv_cache_scales: Optional[str] = option(
         None, "fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")
     enable_prefix_caching: bool = option(True, flags=("--no-prefix-caching",))
+    eviction_policy: str = option(
+        "lru", "which cached block goes first when the cache is full (after retention priority): lru, fifo, "
+               "priority (the least important users' blocks) or cost (prefix depth and hits)", choices=EVICTION_POLICIES)
     swap_space_bytes: int = option(1 << 30, "bytes of CPU swap for preemption", name="swap_space",
                                    flag_type=float, from_flag=whole_bytes)
     sliding_window: Optional[int] = option(  # a bounded cache
@@ -267,6 +468,20 @@ class CacheConfig:
     attention_sinks: int = option(
         0, "with a sliding window: also attend to the first S tokens (StreamingLLM), which "
            "count within the window")
+    host_bytes: int = option(  # tiers below the pool (kvserve.engine.offload)
+        0, "bytes of host RAM keeping prefix blocks evicted from the pool (0: no host tier)",
+        name="kv_cache_host_bytes", flag_type=float, from_flag=whole_bytes)
+    disk_dir: Optional[str] = option(
+        None, "directory keeping evicted prefix blocks on disk, and the pool's at shutdown, for later "
+              "runs of the same model and KV format", name="kv_cache_dir")
+    disk_bytes: int = option(4 << 30, "bytes the --kv-cache-dir tier may hold", name="kv_cache_disk_bytes",
+                             flag_type=float, from_flag=whole_bytes)
+    cache_layers: str = option(
+        "all", "the layers that keep K/V: all, last:N, a list 0,5,7 or a fraction 0.25 (the last ones); "
+               "the others are recomputed from the tokens at every step (docs/cache.md)")
+    kv_events: Optional[str] = option(
+        None, "publish KV cache events (block stored, removed, cleared) in vLLM's format on this ZMQ "
+              "address, e.g. tcp://*:5557")
 
     def __post_init__(self) -> None:
         if self.layout not in KV_LAYOUTS:
@@ -279,6 +494,8 @@ class CacheConfig:
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             raise OptionError("kv_cache_memory_fraction", f"must be in (0, 1], got {self.memory_fraction}")
         check_at_least("swap_space", self.swap_space_bytes, 0)
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise OptionError("eviction_policy", f"must be one of {EVICTION_POLICIES}, got {self.eviction_policy!r}")
         object.__setattr__(self, "kv_cache_dtype", canonical_kv_cache_dtype(self.kv_cache_dtype))
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding window must be >= 1 token, got {self.sliding_window}")
@@ -287,6 +504,9 @@ class CacheConfig:
         if self.attention_sinks and self.sliding_window is not None and self.attention_sinks >= self.sliding_window:
             raise ValueError(f"attention sinks ({self.attention_sinks}) must be fewer than the sliding window "
                              f"({self.sliding_window}) they count within, leaving room for recent tokens")
+        check_at_least("kv_cache_host_bytes", self.host_bytes, 0)
+        check_at_least("kv_cache_disk_bytes", self.disk_bytes, 0)
+        chosen_cache_layers(self.cache_layers)  # its form; the layers are checked against the model
         if self.kv_cache_scales is not None and not self.kv_cache_dtype.startswith("fp8"):
             raise ValueError(f"kv cache scales are for the fp8 kv cache dtypes, not {self.kv_cache_dtype!r}")
 
@@ -297,7 +517,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = option(2048)
     max_prefill_chunk: Optional[int] = option(None)  # None: up to the token budget
     policy: str = option("fcfs", flags=("--scheduling-policy",), choices=SCHEDULING_POLICIES)
-    preemption_mode: str = option("recompute", choices=PREEMPTION_MODES)
+    preemption_mode: str = option(
+        "auto", "auto: swap or recompute each victim, whichever its measured cost favours", choices=PREEMPTION_MODES)
     # None: no bound (LLM.generate queues every prompt at once); `kvserve serve` sets one
     max_waiting: Optional[int] = option(None, "queue bound; beyond it, 503")
 
@@ -311,7 +532,7 @@ class SchedulerConfig:
         if self.policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {self.policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
 SPEC_METHODS = ("ngram", "draft")
@@ -374,6 +595,51 @@ class ParallelConfig:
                              f"got {self.distributed_executor_backend!r}")
 
 
+def lora_modules(option: str, value: Any) -> tuple[tuple[str, str], ...]:
+    """--lora-modules name=path ... (or a {name: path} dict, or (name, path) pairs) as (name, path)
+    pairs in the given order; a name given twice or an item without both parts is refused."""
+    items = list(value.items()) if isinstance(value, dict) else list(value or ())
+    pairs: list[tuple[str, str]] = []
+    for item in items:
+        if isinstance(item, str):
+            name, sep, path = item.partition("=")
+            item = (name, path) if sep else (item, "")
+        if not (isinstance(item, (tuple, list)) and len(item) == 2 and all(isinstance(x, str) and x for x in item)):
+            raise OptionError(option, f"takes name=path items (a PEFT adapter directory each), got {item!r}")
+        pairs.append((item[0], item[1]))
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise OptionError(option, f"names an adapter twice: {names}")
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (kvserve.models.lora): PEFT directories served beside the base model, each
+    request naming its own (or none), adapters mixed row by row in one batch."""
+
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (implied by --lora-modules; needed to load them at run time)")
+    modules: tuple[tuple[str, str], ...] = option(
+        (), "LoRA adapters to load at start, as name=path (PEFT directories: adapter_config.json and "
+            "adapter_model.safetensors); a request names one as its model", name="lora_modules",
+        flag_type=str, nargs="+", metavar="NAME=PATH", from_flag=lora_modules)
+    max_loras: int = option(8, "the most LoRA adapters loaded at once (each serves in any batch)")
+    max_lora_rank: int = option(64, "the largest LoRA rank (r) an adapter may have")
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "modules", lora_modules("lora_modules", self.modules))
+        check_at_least("max_loras", self.max_loras, 1)
+        check_at_least("max_lora_rank", self.max_lora_rank, 1)
+        if len(self.modules) > self.max_loras:
+            raise OptionError("lora_modules", f"names {len(self.modules)} adapters, more than max_loras "
+                                              f"({self.max_loras})")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_lora or bool(self.modules)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = DEFAULT_MODEL  # not an option: `LLM(model)` and `--model` name it first
@@ -390,6 +656,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     log_stats_interval_s: Optional[float] = option(  # None: no stats log; `kvserve serve` sets one
         None, "seconds between the engine's stats lines in the log (0: none)",
         flags=("--log-stats-interval",), from_flag=seconds_or_none)

@@ -13,13 +13,15 @@ from __future__ import annotations
 from collections import Counter
 from itertools import chain
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
+import time
 
 from kvserve.core.block_hash import BlockHash, hash_full_blocks, root_hash
 from kvserve.core.block_math import num_blocks_for, num_full_blocks
 from kvserve.core.block_pool import BlockPool
 from kvserve.core.cache_group import CacheGroup, CacheGroupSpec, FullAttentionGroup, make_group
 from kvserve.core.request import Request
+from kvserve.core.retention import block_retention
 
 TableUpdate = Optional[tuple[int, list[int]]]  # (first changed entry, entries from there on)
 
@@ -42,11 +44,12 @@ class BlockCopies:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_cpu_blocks: int = 0, namespace: Sequence[object] = (),
-                 groups: Sequence[CacheGroupSpec] = (CacheGroupSpec("full", ()),), step_tokens: int = 1) -> None:
+                 groups: Sequence[CacheGroupSpec] = (CacheGroupSpec("full", ()),), step_tokens: int = 1,
+                 eviction_policy: str = "lru", clock: Callable[[], float] = time.monotonic) -> None:
         self.block_size = block_size
         self.step_tokens = step_tokens  # the most tokens of one sequence computed in a step
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching, eviction_policy=eviction_policy, clock=clock)
         self.cpu_pool = BlockPool(num_cpu_blocks, False, null_block=False) if num_cpu_blocks > 0 else None
         self.groups: list[CacheGroup] = [make_group(i, s, self.pool, block_size) for i, s in enumerate(groups)]
         self.namespace = tuple(namespace)  # model id, dtype, kv dtype, adapter
@@ -204,6 +207,7 @@ class KVCacheManager:
         for g, blocks in zip(self.groups, cached):
             if blocks:
                 g.add_cached(rid, blocks)
+                self._retain(request, enumerate(blocks))
             if g.needs_copy_on_write(rid, num_computed, num_new_tokens):
                 self._copies.copy_on_write.append(g.copy_last_block(rid))
             g.grow(rid, total)
@@ -293,6 +297,10 @@ class KVCacheManager:
         self._num_hashed_blocks[child.request_id] = self._num_hashed_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
+    def can_swap_out(self, request: Request) -> bool:
+        """Whether the host pool has room for every block the request holds."""
+        return self.cpu_pool is not None and self.cpu_pool.can_take(self.num_held_blocks(request.request_id))
+
     def swap_out(self, request: Request) -> bool:
         """Move the request's blocks to the CPU pool; False if it has no room."""
         rid = request.request_id
@@ -361,7 +369,7 @@ class KVCacheManager:
 
     # ---- helpers ----
     def _root(self, request: Request) -> BlockHash:
-        return root_hash(*self.namespace, request.cache_salt)
+        return root_hash(*self.namespace, *request.cache_keys)
 
     def _extend_hashes(self, request: Request) -> None:
         hashes = request.block_hashes
@@ -386,9 +394,21 @@ class KVCacheManager:
                 if block != self.pool.null_block_id:
                     self.pool.cache(block, _key(request.block_hashes[i], g.index), _key(parent, g.index),
                                     tuple(tokens[i * bs:(i + 1) * bs]))
+                    self._retain(request, [(i, block)])
         self._num_hashed_blocks[rid] = end
+
+    def _retain(self, request: Request, blocks: Iterable[tuple[int, int]]) -> None:
+        """The request's retention ranges and scheduling priority reach its cached blocks, given
+        as (table entry, block id): entry i covers positions [i * block_size, (i + 1) * block_size)."""
+        ranges, bs = request.sampling_params.kv_retention, self.block_size
+        for i, block in blocks:
+            if block != self.pool.null_block_id:
+                self.pool.retain(block, block_retention(ranges, i * bs, (i + 1) * bs), request.priority)
 
 
 def _key(block_hash: BlockHash, group: int) -> BlockHash:
     """A block's name in the pool: its chain hash in one group (each group caches its own)."""
     return block_hash + group.to_bytes(2, "little")
+
+
+block_name = _key  # public: the tiers below the pool and KV events name blocks as the pool does

@@ -101,6 +101,14 @@ class Request:
         return self.status.is_finished
 
     @property
+    def cache_keys(self) -> tuple[object, ...]:
+        """What names this request's blocks beside the model's namespace: its cache_salt, and its
+        LoRA adapter's id where it has one (K/V computed through an adapter is never shared with
+        the base model or another adapter; a base request's keys are the salt alone)."""
+        lora = self.sampling_params.lora_request
+        return (self.cache_salt,) if lora is None else (self.cache_salt, f"lora:{lora.lora_int_id}:{lora.lora_name}")
+
+    @property
     def finish_reason(self) -> Optional[str]:
         return self.status.value if self.status.is_finished else None
 

@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 from kvserve.config import OptionError
+from kvserve.core.retention import RetentionError, RetentionRange, parse_retention
 
 
 GREEDY_BELOW = 1e-5
+MAX_BIAS = 100.0  # OpenAI's bound on a logit_bias value
 
 
 STRUCTURED_KINDS = ("json_schema", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """The adapter a request runs with (vLLM's LoRARequest): by name, as loaded with
+    --lora-modules or at run time; a path not yet loaded is loaded under the name. lora_int_id is
+    the engine's id of the loaded adapter (0: let the engine say; another given id must match it)."""
+
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise OptionError("lora_request", f"needs a non-empty adapter name, got {self.lora_name!r}")
+        if not isinstance(self.lora_int_id, int) or isinstance(self.lora_int_id, bool) or self.lora_int_id < 0:
+            raise OptionError("lora_request", f"lora_int_id must be an integer >= 0, got {self.lora_int_id!r}")
 
 
 @dataclass(frozen=True)
@@ -49,6 +68,14 @@ class SamplingParams:
     # structured outputs: (kind, spec), kind one of STRUCTURED_KINDS; every token is drawn from
     # those that keep the output a prefix of the language (a JSON schema, a regex, a choice, a grammar)
     structured: Optional[tuple[str, str]] = None
+    # OpenAI's logit_bias: (token id, bias) pairs added to the logits before any filter or
+    # structured-output mask; a dict is taken too and kept sorted by id (a frozen, hashable value)
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # retention priorities (kvserve.core.retention): token ranges of the prompt whose cached
+    # blocks outlive others; dicts {"start", "end", "priority", "duration_s"?} are taken too
+    kv_retention: tuple[RetentionRange, ...] = ()
+    # the LoRA adapter the request runs with (None: the base model); a name is taken too
+    lora_request: Optional[LoRARequest] = None
     extra: dict[str, object] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -59,6 +86,15 @@ class SamplingParams:
             stop = (stop,)
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        try:
+            object.__setattr__(self, "kv_retention", parse_retention(self.kv_retention))
+        except RetentionError as e:
+            raise OptionError("kv_retention", str(e)) from None
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        if isinstance(self.lora_request, str):
+            object.__setattr__(self, "lora_request", LoRARequest(self.lora_request))
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise OptionError("lora_request", f"must be a LoRARequest or an adapter name, got {self.lora_request!r}")
         self._validate()
 
     def _validate(self) -> None:
@@ -95,6 +131,9 @@ class SamplingParams:
                                               and not isinstance(self.prompt_logprobs, bool)
                                               and 0 <= self.prompt_logprobs <= 20),
              "prompt_logprobs", "must be an integer in [0, 20]"),
+            (all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_num(b) and -MAX_BIAS <= b <= MAX_BIAS
+                 for t, b in self.logit_bias), "logit_bias",
+             f"maps token ids (integers >= 0) to biases in [-{MAX_BIAS:g}, {MAX_BIAS:g}]"),
         ]
         for ok, name, rule in checks:
             if not ok:
@@ -115,6 +154,7 @@ class SamplingParams:
             (self.early_stopping in (True, False, "never"), "early_stopping", 'must be true, false or "never"'),
             (not self.has_penalties and self.top_k in (0, -1) and self.top_p == 1 and self.min_p == 0,
              "use_beam_search", "takes no penalties or top-k/top-p/min-p filters"),
+            (not self.logit_bias, "use_beam_search", "takes no logit_bias (beams are scored by the model's logprobs)"),
             (not self.stop and self.min_tokens == 0 and self.logprobs is None, "use_beam_search",
              "takes no stop strings, min_tokens or logprobs"),
         ]
@@ -132,6 +172,21 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (id, bias) pairs, from a dict {id: bias} or pairs; the values are
+    checked by _validate, anything that is not pairs is refused here by name."""
+    if bias is None:
+        return ()
+    items: Any = bias.items() if isinstance(bias, dict) else bias
+    try:
+        pairs = [(t, b) for t, b in items]
+    except (TypeError, ValueError):
+        raise OptionError("logit_bias", f"must map token ids to biases, got {bias!r}") from None
+    if any(not isinstance(t, int) for t, _ in pairs):
+        raise OptionError("logit_bias", f"keys must be integer token ids, got {bias!r}")
+    return tuple(sorted(pairs))
 
 
 def _is_num(x: object) -> bool:

@@ -41,6 +41,7 @@ class EngineOption:
     metavar: Optional[str]
     flag_type: type  # what the flag parses (the field's type unless declared)
     from_flag: Optional[FlagConversion]  # (flag_name, the parsed value) -> the option's value
+    nargs: Optional[str] = None  # argparse's, for a flag taking several values
 
     @property
     def flag_name(self) -> str:
@@ -58,7 +59,7 @@ def _options_of(cls: type, part: Optional[str]) -> Iterator[EngineOption]:
         name, kind = spec["name"] or f.name, _without_none(hints[f.name])
         flags = spec["flags"] or ("--" + name.replace("_", "-"),)
         yield EngineOption(name, part, f.name, kind, f.default, flags, spec["help"], spec["choices"],
-                           spec["metavar"], spec["flag_type"] or kind, spec["from_flag"])
+                           spec["metavar"], spec["flag_type"] or kind, spec["from_flag"], spec.get("nargs"))
 
 
 def _without_none(hint: Any) -> type:
@@ -123,6 +124,8 @@ def add_option_flags(g: Any, names: Sequence[str], helps: Optional[Mapping[str, 
         else:
             kw.update(type=o.flag_type, choices=o.choices,
                       metavar=o.metavar or (None if o.choices else o.flag_name.upper()))
+            if o.nargs is not None:
+                kw["nargs"] = o.nargs
         g.add_argument(*o.flags, **kw)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -9,7 +10,9 @@ from kvserve.config import DEFAULT_MODEL
 from kvserve.engine.llm_engine import LLMEngine, Prompt
 from kvserve.engine.outputs import RequestOutput
 from kvserve.models.loaders.base import LoadedModel
-from kvserve.core.sampling_params import SamplingParams
+from kvserve.core.sampling_params import LoRARequest, SamplingParams
+
+LoRAArg = Union[LoRARequest, str, None]
 
 
 class LLM:
@@ -26,13 +29,17 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, Sequence[Prompt]],
                  params: Union[SamplingParams, Sequence[SamplingParams], None] = None,
-                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = False, priority: Optional[Sequence[int]] = None,
+                 lora_request: Union[LoRAArg, Sequence[LoRAArg]] = None) -> list[RequestOutput]:
+        """lora_request: the LoRA adapter (a LoRARequest or a loaded adapter's name) every prompt
+        runs with, or one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(plist)} sampling params")
+        plist = _with_adapters(plist, lora_request)
         ids = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, plist)):
@@ -73,6 +80,23 @@ class LLM:
         if bar is not None:
             bar.close()
         return [done[i] for i in ids]
+
+
+def _with_adapters(plist: list[SamplingParams], lora: Union[LoRAArg, Sequence[LoRAArg]]) -> list[SamplingParams]:
+    """Each prompt's params with its adapter; one given both ways must be the same adapter."""
+    if lora is None:
+        return plist
+    adapters = list(lora) if isinstance(lora, (list, tuple)) else [lora] * len(plist)
+    if len(adapters) != len(plist):
+        raise ValueError(f"{len(plist)} prompts but {len(adapters)} lora requests")
+    out = []
+    for p, a in zip(plist, adapters):
+        a = LoRARequest(a) if isinstance(a, str) else a
+        if p.lora_request is not None and a is not None and p.lora_request.lora_name != a.lora_name:
+            raise ValueError(f"lora_request {a.lora_name!r} differs from the sampling params' "
+                             f"{p.lora_request.lora_name!r}")
+        out.append(p if a is None else dataclasses.replace(p, lora_request=a))
+    return out
 
 
 def _progress(total: int):  # type: ignore[no-untyped-def]

@@ -17,7 +17,7 @@ from kvserve.config import DEFAULT_MODEL, EngineConfig, FieldError, ModelConfig
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.observers import Observers
-from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerStats
+from kvserve.core.outputs import ModelRunnerOutput, ScheduledSequence, SchedulerOutput, SchedulerStats
 from kvserve.core.scheduler import Scheduler, group_width
 from kvserve.engine.args import engine_config
 from kvserve.engine.beam_search import BeamSearch
@@ -26,17 +26,23 @@ from kvserve.engine.trace import StepTrace
 from kvserve.engine.watchdog import Watchdog
 from kvserve.engine.calibrate import calibrate_fp8
 from kvserve.engine.handover import KVHandover, KVIdentity
+from kvserve.engine.kv_events import KVEventLog, ZmqPublisher, watch_pool
+from kvserve.engine.lora import EngineLoRA
+from kvserve.engine.offload import TierSummary, build_tiers
 from kvserve.engine.outputs import RequestOutput
 from kvserve.engine.parallel import CommStats, TensorParallel, tensor_parallel
 from kvserve import kernels
 from kvserve.kv.calibrate import read_fp8_scales
+from kvserve.kv.latent import make_latent_storage
 from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
 from kvserve.kv.sizing import CachePlan, cache_groups, is_bounded, plan_cache
 from kvserve.models.loaders.base import LoadedModel
+from kvserve.models.lora import LoRAAdapter, LoRASet
 from kvserve.models.registry import build_model, load_weights
 from kvserve.core.request import Request, RequestStatus
 from kvserve.runner import host_memory
 from kvserve.runner.model_runner import CacheLayout, ModelRunner
+from kvserve.runner.layer_recompute import cache_view, cached_layers_key, check_model, select_cache_layers
 from kvserve.spec.base import Proposer
 from kvserve.spec.draft import DraftProposer, check_same_vocabulary
 from kvserve.spec.ngram import NgramProposer
@@ -76,6 +82,10 @@ class EngineStats:
     num_swaps_out: int = 0  # requests moved to the CPU pool since start
     num_swaps_in: int = 0
     num_evictions: int = 0  # cached blocks whose hash was dropped to reuse them
+    preemption_choices: tuple[tuple[str, str, int], ...] = ()  # (swap | recompute, reason, count) since start
+    prefill_tokens_per_s: float = 0.0  # the measured speeds preemption weighs (kvserve.core.preemption)
+    copy_bytes_per_s: float = 0.0
+    tiers: tuple[TierSummary, ...] = ()  # the tiers below the pool (kvserve.engine.offload)
 
 
 def allocate_cache(config: EngineConfig, model: ModelConfig, plan: CachePlan, layer_tensor: Sequence[int],
@@ -85,17 +95,35 @@ def allocate_cache(config: EngineConfig, model: ModelConfig, plan: CachePlan, la
     fmt = plan.kv_format
     args = (fmt.kind, fmt.name, layer_tensor)
     shape = (plan.block_size, model.num_key_value_heads, model.head_dim, getattr(torch, config.dtype))
-    cache = make_storage(*args, plan.num_blocks + 1, *shape, device, plan.num_residual_slots)
+
+    def make(num_blocks: int, where: str) -> KVStorage:
+        if model.mla is not None and model.mla.caches_latent:  # the latent cache (kvserve.kv.latent)
+            return make_latent_storage(*args, num_blocks, plan.block_size, model.mla.kv_lora_rank,
+                                       model.mla.qk_rope_head_dim, where)
+        return make_storage(*args, num_blocks, *shape, where, plan.num_residual_slots)
+    cache = make(plan.num_blocks + 1, device)
     swap = None
-    if config.scheduler.preemption_mode == "swap" and plan.num_cpu_blocks > 0:
-        swap = make_storage(*args, plan.num_cpu_blocks, *shape, "cpu", plan.num_residual_slots)
+    if host_pool_blocks(config, plan) > 0:
+        swap = make(host_pool_blocks(config, plan), "cpu")
     return cache, swap
+
+
+def host_pool_blocks(config: EngineConfig, plan: CachePlan) -> int:
+    """Blocks of the host pool that swap preemption moves blocks to: --swap-space's under swap;
+    under auto at most as many as the device pool (a victim swapped there must fit back), so an
+    engine that never preempts does not hold a large host pool it was not asked for."""
+    mode = config.scheduler.preemption_mode
+    if mode == "recompute":
+        return 0
+    return plan.num_cpu_blocks if mode == "swap" else min(plan.num_cpu_blocks, plan.num_blocks)
 
 
 def check_tensor_parallel(config: EngineConfig, model: ModelConfig, tp: Optional[TensorParallel]) -> None:
     """What tensor parallelism does not serve yet, refused by name."""
     if tp is None:  # one rank
         return
+    if model.mla is not None:
+        raise ValueError(f"{model.name}'s latent attention (MLA) is not served with tensor parallelism yet")
     tp.check_shardable(model, config.parallel.tensor_parallel_size)
     if config.kv_cache_dtype.startswith("fp8"):
         raise ValueError("fp8 KV caches are not served with tensor parallelism yet (their per-head scales "
@@ -132,6 +160,7 @@ class LLMEngine:
         self.shard_config = shard.config  # what this rank's layers and cache hold
         self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype,
                                  config.packed_activations)
+        self.lora = self._make_lora()  # wraps the adapted products before the runner binds its fast path
         t_model = time.perf_counter()
         self.comm = CommStats()
         if tp is not None:
@@ -143,20 +172,29 @@ class LLMEngine:
         self.unbounded = config.cache.sliding_window is not None and is_bounded(groups)
         self.max_seq_len = UNBOUNDED_LEN if self.unbounded else self.max_model_len
         layer_group, layer_tensor = layer_maps(groups, loaded.config.num_hidden_layers)
+        self.cache_layers = select_cache_layers(config, loaded.config, groups)  # None: every layer keeps K/V
+        cache_model, layer_tensor = cache_view(self.cache_layers, shard.config, layer_tensor)
         sc = config.scheduler
         step_tokens = min(sc.max_num_batched_tokens, sc.max_prefill_chunk or sc.max_num_batched_tokens)
-        self.plan = plan_cache(config.cache, shard.config, config.kv_cache_dtype, self.max_model_len,
+        self.plan = plan_cache(config.cache, cache_model, config.kv_cache_dtype, self.max_model_len,
                                config.scheduler.max_num_seqs, config.device, groups, config.dtype, step_tokens)
-        self.storage, swap_storage = (allocate_cache(config, shard.config, self.plan, layer_tensor, config.device)
+        self.storage, swap_storage = (allocate_cache(config, cache_model, self.plan, layer_tensor, config.device)
                                       if config.use_cache else (None, None))
         self._set_fp8_scales(self.storage, swap_storage)
         t_cache = time.perf_counter()
         caching = config.cache.enable_prefix_caching and config.cache.layout == "paged"
         self.kv = KVCacheManager(self.plan.num_blocks, self.plan.block_size, caching,
-                                 self.plan.num_cpu_blocks if swap_storage is not None else 0,
-                                 namespace=(self.model_id, config.dtype, config.kv_cache_dtype, None),
-                                 groups=groups, step_tokens=step_tokens)
+                                 host_pool_blocks(config, self.plan) if swap_storage is not None else 0,
+                                 namespace=(self.model_id, config.dtype, config.kv_cache_dtype, None,
+                                            *cached_layers_key(self.cache_layers)),
+                                 groups=groups, step_tokens=step_tokens, eviction_policy=config.cache.eviction_policy)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_seq_len)
+        self.scheduler.preemption.costs.block_bytes = self.plan.block_bytes
+        self.kv_events = KVEventLog()  # what the prefix cache holds, as it changes (GET /v1/kv/events)
+        watch_pool(self.kv.pool, self.kv_events, self.plan.block_size)
+        if config.cache.kv_events is not None:
+            self.kv_events.publishers.append(ZmqPublisher(config.cache.kv_events))
+        self.tiers = build_tiers(config, self.kv, self.storage, self.model_id, self.kv_events)
         self.beams = BeamSearch(self.scheduler)
         self.watchdog = Watchdog()  # ends a request that runs without progress, saying why
         layout = CacheLayout(layer_group, len(groups), tuple(g.window for g in groups), self.plan.block_size,
@@ -164,6 +202,10 @@ class LLMEngine:
                              tuple(g.kind for g in groups))
         self.runner = ModelRunner(self.model, self.storage, swap_storage, layout, config.seed,
                                   config.attention_backend, config.linear_backend)
+        self.runner.lora = self.lora.adapters if self.lora is not None else None
+        if self.cache_layers is not None:
+            check_model(self.model)
+            self.runner.cache_layers = self.cache_layers
         # ranks 1..N-1 hear every block move and forward pass before rank 0 runs it
         self.workers = tp.start_ranks(config, loaded, self.plan, layout, layer_tensor) if tp else None
         if self.workers is not None:
@@ -198,11 +240,34 @@ class LLMEngine:
         return cls(engine_config(model, **options), loaded)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (the engine cannot step after this)."""
+        """Stop the tensor-parallel workers, if any (the engine cannot step after this), write
+        the pool's cached blocks down to the disk tier and stop the KV event publishers."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+        self.kv_events.close()
         if self.workers is not None:
             self.workers.close()
             self.runner.mirrors.remove(self.workers)
             self.workers = None
+
+    def flush_kv_tiers(self) -> None:
+        """Write the pool's cached blocks down to the tiers and wait for every write (at a
+        server's shutdown; the engine goes on working)."""
+        if self.tiers is not None:
+            self.tiers.flush()
+
+    def _make_lora(self) -> Optional[EngineLoRA]:
+        """The LoRA adapters (kvserve.engine.lora), where enabled."""
+        c = self.config
+        if not c.lora.enabled:
+            return None
+        if c.parallel.tensor_parallel_size > 1:
+            raise ValueError("LoRA adapters are not served with tensor parallelism yet")
+        if c.cache.disk_dir is not None:  # an adapter's load id does not name the same adapter after a restart
+            raise ValueError("LoRA adapters are not served with a disk KV cache tier (--kv-cache-dir) yet: "
+                             "their block names hold a load id that a restart does not keep")
+        return EngineLoRA(LoRASet(self.model, c.lora.max_loras, c.lora.max_lora_rank), c.lora)
 
     def _make_proposer(self, loaded: LoadedModel) -> Optional[Proposer]:
         spec = self.config.speculative
@@ -274,7 +339,7 @@ class LLMEngine:
                     params: Optional[SamplingParams] = None, priority: int = 0,
                     arrival_time: Optional[float] = None, cache_salt: Optional[str] = None) -> str:
         """Validate and queue a request; returns its id. Raises ValueError naming the problem."""
-        params = params or SamplingParams()
+        params = self._with_lora(params or SamplingParams())
         ids = self.encode(prompt)
         self._validate(ids, params)
         max_waiting = self.config.scheduler.max_waiting
@@ -298,6 +363,8 @@ class LLMEngine:
         self.kv_identity().check(handover.identity)
         ids = list(handover.prompt_token_ids)
         self._validate(ids, params)
+        if params.lora_request is not None:
+            raise ValueError("a handed-over request runs the base model: its K/V was computed without an adapter")
         if params.n > 1 or params.use_beam_search:
             raise ValueError("a handed-over request continues one sequence: n > 1 and beam search are not served")
         eos = self.tokenizer.eos_token_ids if self.tokenizer is not None else ()
@@ -317,10 +384,37 @@ class LLMEngine:
             self.runner.kv_sources[req.request_id] = handover.source(self.config.dtype)
         return req.request_id
 
+    # ---- LoRA adapters ----
+    def _with_lora(self, params: SamplingParams) -> SamplingParams:
+        """params naming its adapter's current load (kvserve.engine.lora), or as given without one."""
+        if params.lora_request is None:
+            return params
+        if self.lora is None:
+            raise ValueError(f"LoRA adapter {params.lora_request.lora_name!r} asked for, but LoRA is not enabled "
+                             "(--lora-modules or --enable-lora)")
+        return self.lora.resolve(params)
+
+    def lora_adapters(self) -> list[LoRAAdapter]:
+        """The adapters loaded, in load order (none without LoRA)."""
+        return [] if self.lora is None else list(self.lora.adapters.adapters.values())  # one read (another thread loads)
+
+    def load_lora(self, name: str, path: str) -> LoRAAdapter:
+        """Load a PEFT adapter at run time; ValueError naming the problem."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: start the engine with --enable-lora or --lora-modules")
+        return self.lora.load(name, path)
+
+    def unload_lora(self, name: str) -> LoRAAdapter:
+        """Unload an adapter; refused (ValueError) while unfinished requests run it."""
+        if self.lora is None:
+            raise ValueError("LoRA is not enabled: no adapter is loaded")
+        return self.lora.unload(name, self.scheduler.requests.values())
+
     def kv_identity(self) -> KVIdentity:
         """What a K/V handover must match to be loaded here."""
         c = self.model_config
-        return KVIdentity(self.model_id, self.config.kv_cache_dtype, c.num_hidden_layers, c.num_key_value_heads,
+        num_layers = c.num_hidden_layers if self.cache_layers is None else len(self.cache_layers.cached)
+        return KVIdentity(self.model_id, self.config.kv_cache_dtype, num_layers, c.num_key_value_heads,
                           c.head_dim, self.plan.block_size)
 
     def _validate(self, ids: list[int], params: SamplingParams) -> None:
@@ -328,6 +422,10 @@ class LLMEngine:
             raise ValueError("the prompt is empty: at least one token is needed")
         if params.structured is not None:
             self._structured().grammar(params.structured)  # a ValueError naming the problem
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise FieldError("logit_bias", f"token ids must be below the vocabulary size {vocab}, got "
+                             f"{max(t for t, _ in params.logit_bias)}")
         width = group_width(params)
         if width > self.config.scheduler.max_num_seqs:
             raise FieldError("n", f"this request runs {width} sequences at once, more than the "
@@ -389,6 +487,8 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        if self.tiers is not None:  # prefixes only a tier holds go back into the pool first
+            self.tiers.load_waiting(self.scheduler.waiting[:self.config.scheduler.max_num_seqs])
         sched = self.scheduler.schedule()
         self.watchdog.watch(sched, self.scheduler)
         if self.proposer is not None:
@@ -396,7 +496,9 @@ class LLMEngine:
             for rid in sched.finished_request_ids:
                 self._spec_window.pop(rid, None)
                 self._spec_paused.pop(rid, None)
+        t_run = time.perf_counter()
         result, failed = self.runner.execute_isolated(sched)
+        self._measure_costs(sched, time.perf_counter() - t_run)
         failed_groups = [g for rid, message in failed.items() if (g := self._fail(rid, message)) is not None]
         failed_groups += [self._end_group(r, r.error or "failed") for r in
                           {r.group_id: r for r in self.scheduler.take_failed()}.values()]
@@ -437,7 +539,17 @@ class LLMEngine:
                 touched_ids.append(rid)
         self._maybe_log()
         self._propose()
+        self.kv_events.publish()
         return [o for rid in dict.fromkeys(touched_ids) if (o := self.outputs.output(rid)) is not None]
+
+    def _measure_costs(self, sched: SchedulerOutput, seconds: float) -> None:
+        """What preemption weighs (kvserve.core.preemption): the block copies' bandwidth and,
+        from steps that prefilled, tokens a second."""
+        costs = self.scheduler.preemption.costs
+        num_bytes, copy_s = self.runner.take_copy_timing()
+        costs.observe_copy(num_bytes, copy_s)
+        if any(s.start_position < len(s.prompt_token_ids) for s in sched.scheduled):
+            costs.observe_prefill(sched.num_batched_tokens, seconds - copy_s)
 
     def _structured(self) -> Any:
         """The structured-output matchers, made on first use (they need llguidance and a
@@ -517,7 +629,13 @@ class LLMEngine:
                            self.num_prompt_tokens_computed, self.kv.blocks_needed(self.max_model_len, 1) * plan.block_bytes,
                            tuple((g.spec.kind, g.spec.window, g.spec.sinks, n)
                                  for g, n in zip(self.kv.groups, self.kv.group_held_blocks())),
-                           self.kv.num_swaps_out, self.kv.num_swaps_in, self.kv.pool.num_evictions)
+                           self.kv.num_swaps_out, self.kv.num_swaps_in, self.kv.pool.num_evictions,
+                           *self._preemption_stats(), tiers=self.tiers.summary() if self.tiers is not None else ())
+
+    def _preemption_stats(self) -> tuple[tuple[tuple[str, str, int], ...], float, float]:
+        costs = self.scheduler.preemption.costs
+        choices = tuple((mode, why, n) for (mode, why), n in sorted(self.scheduler.preemption_choices.items()))
+        return choices, costs.prefill_tokens_per_s, costs.copy_bytes_per_s
 
     def _maybe_log(self) -> None:
         interval = self.config.log_stats_interval_s
@@ -535,6 +653,8 @@ class LLMEngine:
         names, running tables covering exactly the computed tokens) and through them the cache
         manager's and the pool's; and every unfinished request has its output state."""
         self.scheduler.check_integrity()
+        if self.tiers is not None:
+            self.tiers.check_integrity()
         missing = [gid for gid in self.scheduler.groups if gid not in self.outputs.states]
         assert not missing, f"unfinished requests without an output state: {missing}"
 

@@ -10,6 +10,8 @@ build, and `kvserve.kernels` reads it at run time to know what to load, so the t
     avx512        avx512f/bw/vl/dq, fma, f16c                       __AVX512F__ paths
     avx512_bf16   avx512 + avx512_bf16                             __AVX512BF16__ paths too
     avx512_vnni   avx512 + avx512_vnni                             __AVX512VNNI__ paths too
+
+A kernel may add flags of its own to every level's (KERNEL_CFLAGS).
 """
 
 from __future__ import annotations
@@ -50,7 +52,13 @@ KERNEL_ISAS = {
     "linear_quant": ("portable", "avx2", "avx512"),
     "linear_q8": ("portable", "avx2", "avx512_vnni"),
     "layer_ops": ("portable", "avx2", "avx512"),
+    "linear_kquant": ("portable", "avx2", "avx512", "avx512_vnni"),
+    "mla_attention": ("portable", "avx2", "avx512"),
 }
+# Flags a kernel adds to every level's: linear_kquant's dequantization must round the product and
+# the sum of `scale * q + offset` apart, as the gguf package does, never as one fused multiply-add
+# (its products use explicit FMA instructions, which this flag leaves alone).
+KERNEL_CFLAGS = {"linear_kquant": ("-ffp-contract=off",)}
 
 
 def module_name(kernel: str, isa: str) -> str:

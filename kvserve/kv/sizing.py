@@ -8,6 +8,7 @@ tokens: the bytes per token are the model's either way."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -61,6 +62,16 @@ def cache_groups(model: ModelConfig, cache: CacheConfig, max_model_len: int) -> 
         if sinks >= window:
             raise ValueError(f"attention sinks ({sinks}) must be fewer than the sliding window ({window})")
     return groups_of(kinds, window, sinks)
+
+
+def cached_layers_config(model: ModelConfig, num_cached_layers: int) -> ModelConfig:
+    """The model as its cache sees it when only num_cached_layers layers keep K/V (--cache-layers):
+    every size the formats count (kvserve.kv.formats) is per layer, so the cache of such a model
+    is the cache of one with that many layers (what only the model's layers need is left out)."""
+    if num_cached_layers == model.num_hidden_layers:
+        return model
+    return dataclasses.replace(model, num_hidden_layers=num_cached_layers, layer_types=(), moe=None,
+                               nope_layers=())
 
 
 def is_bounded(groups: Sequence[CacheGroupSpec]) -> bool:
@@ -141,3 +152,52 @@ def check_fits(plan: CachePlan, cache: CacheConfig, device: str) -> None:
 
 def _gib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 30):,.1f} GiB"
+
+
+@dataclass(frozen=True)
+class WeightCount:
+    """A model's parameters, and those one decode token multiplies by: every layer's matrices
+    but, in a mixture-of-experts layer, only the router, the num_experts_per_tok experts it
+    picks and the shared expert; the embedding table is one row (a tied head reads it whole)."""
+
+    total: int
+    per_token: int
+
+    def bytes(self, bytes_per_param: float) -> tuple[int, int]:
+        """(total, per decode token) in bytes at this many bytes per parameter."""
+        return int(self.total * bytes_per_param), int(self.per_token * bytes_per_param)
+
+
+def weight_params(model: ModelConfig) -> WeightCount:
+    """The parameters of the model's matrices and norms (biases left out: a few per row).
+    Example: Mixtral-8x7B, 46.7B in all, 12.7B read per token (2 of 8 experts; the embedding
+    table aside, which the published 12.9B counts)."""
+    H, V = model.hidden_size, model.vocab_size
+    head = 0 if model.tie_word_embeddings else V * H
+    total, per_token = V * H + head + H, H + V * H  # embedding, head, final norm; one embedding row + the head
+    for i in range(model.num_hidden_layers):
+        attn = _attention_params(model) + 2 * H
+        mlp_total, mlp_active = _mlp_params(model, i)
+        total, per_token = total + attn + mlp_total, per_token + attn + mlp_active
+    return WeightCount(total, per_token)
+
+
+def _attention_params(model: ModelConfig) -> int:
+    H, heads = model.hidden_size, model.num_attention_heads
+    m = getattr(model, "mla", None)
+    if m is None:
+        return 2 * H * heads * model.head_dim + 2 * H * model.num_key_value_heads * model.head_dim
+    q_dim = heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q = H * q_dim if m.q_lora_rank is None else H * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * q_dim
+    kv = H * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+    return q + kv + heads * m.v_head_dim * H
+
+
+def _mlp_params(model: ModelConfig, layer_idx: int) -> tuple[int, int]:
+    """(all, read per token) of one layer's MLP."""
+    H, moe = model.hidden_size, model.moe
+    if moe is None or not moe.is_sparse(layer_idx):
+        return 3 * H * model.intermediate_size, 3 * H * model.intermediate_size
+    expert, shared = 3 * H * moe.moe_intermediate_size, 3 * H * moe.shared_expert_intermediate_size
+    fixed = moe.num_experts * H + shared + (H if moe.shared_expert_gate else 0)  # router, shared expert
+    return fixed + moe.num_experts * expert, fixed + moe.num_experts_per_tok * expert

@@ -136,12 +136,12 @@ class ChunkView:
 class BlockTensorStorage(KVStorage):
     """Named tensors per layer-tensor set, each [num_blocks, ...]."""
 
-    def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
+    def __init__(self, layer_to_tensor: Sequence[Optional[int]], num_blocks: int, block_size: int,
                  parts: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device | str) -> None:
-        self.layer_to_tensor = list(layer_to_tensor)
+        self.layer_to_tensor = list(layer_to_tensor)  # None: a layer without a cache (--cache-layers)
         self.num_blocks, self.block_size, self.device = num_blocks, block_size, torch.device(device)
         self.parts = parts
-        num_sets = max(self.layer_to_tensor) + 1
+        num_sets = max(t for t in self.layer_to_tensor if t is not None) + 1
         self.tensors = [{name: zeros((num_blocks, *shape), dtype, device) for name, (shape, dtype) in parts.items()}
                         for _ in range(num_sets)]
 
@@ -150,7 +150,10 @@ class BlockTensorStorage(KVStorage):
         return sum(t[0].numel() * t.element_size() for tensors in self.tensors for t in tensors.values())
 
     def layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
-        return self.tensors[self.layer_to_tensor[layer]]
+        tensor = self.layer_to_tensor[layer]
+        if tensor is None:
+            raise ValueError(f"layer {layer} keeps no K/V in this cache (--cache-layers): it is recomputed")
+        return self.tensors[tensor]
 
     def copy_blocks(self, pairs: BlockPairs) -> None:
         if not pairs:
@@ -159,6 +162,23 @@ class BlockTensorStorage(KVStorage):
         for tensors in self.tensors:
             for t in tensors.values():
                 t[dst] = t[src]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A copy of one block's rows of every tensor, as bytes [bytes_per_block] uint8 on the CPU
+        (what a tier below the pool keeps of an evicted block)."""
+        rows = [t[block_id].reshape(-1).view(torch.uint8) for tensors in self.tensors for t in tensors.values()]
+        return torch.cat(rows).cpu()
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        """The block's rows := bytes read_block returned (of a storage with the same parts)."""
+        if data.numel() != self.bytes_per_block:
+            raise ValueError(f"a block of this cache holds {self.bytes_per_block} bytes, got {data.numel()}")
+        offset = 0
+        for tensors in self.tensors:
+            for t in tensors.values():
+                n = t[block_id].numel() * t.element_size()
+                t[block_id] = data[offset:offset + n].to(t.device).view(t.dtype).view(t.shape[1:])
+                offset += n
 
     def swap_out(self, dst: KVStorage, pairs: BlockPairs) -> None:
         if not pairs:

@@ -9,6 +9,7 @@ Parameter names follow Hugging Face, so every loader is a rename table.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -67,8 +68,9 @@ class RMSNorm(DirectCall, FastPath, nn.Module):
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies [head_dim / 2], with 'linear' or 'llama3' scaling from the config."""
-    dim = config.head_dim
+    """Inverse frequencies [rotary_dim / 2] (rotary_dim: head_dim, or the leading part of a head
+    partial rotary turns), with 'linear' or 'llama3' scaling from the config."""
+    dim = config.rotary_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = config.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type", "default"))
@@ -153,8 +155,21 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
         self.k_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
-        self.attn = Attention(layer_idx, self.head_dim ** -0.5)
+        self.attn = Attention(layer_idx, config.attention_scale)
         self.fused_qkv: Optional[nn.Module] = None  # q, k and v packed as one product (packed.fuse)
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D], not rotated: views of the products (a fused
+        group's parts share one product, made once)."""
+        T = x.shape[0]
+        return (self.q_proj(x).view(T, self.num_heads, self.head_dim),
+                self.k_proj(x).view(T, self.num_kv_heads, self.head_dim),
+                self.v_proj(x).view(T, self.num_kv_heads, self.head_dim))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The attention over rotated q, k and v, through o_proj: [T, hidden]."""
+        out = self.attn(q, k, v, ctx)  # [T, heads, head_dim]
+        return self.o_proj(out.reshape(q.shape[0], self.num_heads * self.head_dim))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                 ctx: ForwardContext) -> torch.Tensor:
@@ -220,12 +235,19 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
 
 
 class LlamaDecoderLayer(DirectCall, nn.Module):
+    """Pre-norm attention and MLP. A family with other attention (q/k norms, no RoPE on some
+    layers, partial rotary) is a subclass that names its class in `attention_for`."""
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx)
+        self.self_attn = self.attention_for(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
+
+    def attention_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """This layer's attention block."""
+        return LlamaAttention(config, layer_idx)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -252,11 +274,25 @@ def make_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = LlamaDecoderLayer  # a family's layers: a subclass names its own
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = make_embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+@dataclass
+class RecomputedLayers:
+    """The first num_layers layers of a step run over whole sequences (they keep no cache:
+    kvserve.runner.layer_recompute); the layers above take the rows new_rows of their output."""
+
+    num_layers: int
+    input_ids: torch.Tensor  # [S] every token of each sequence
+    positions: torch.Tensor  # [S]
+    new_rows: torch.Tensor  # [T] the step's new tokens among the S rows, in the step's order
+    ctx: ForwardContext  # no storage: plain causal attention over each sequence
 
 
 class LlamaForCausalLM(nn.Module):
@@ -291,13 +327,27 @@ class LlamaForCausalLM(nn.Module):
         return self.rope
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                recomputed: Optional[RecomputedLayers] = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]. With `recomputed`, its
+        layers run over whole sequences first and the rest over the new rows of their output."""
         assert self.rope is not None, "call init_rope() after loading weights"
-        x, residual = self.model.embed_tokens(input_ids), None
-        for layer in self.model.layers:
+        layers = list(self.model.layers)
+        if recomputed is None:
+            x, residual = self.embed(input_ids), None
+        else:
+            x, residual = self.embed(recomputed.input_ids), None
+            for layer in layers[:recomputed.num_layers]:
+                x, residual = layer.forward(x, recomputed.positions, self.rope, recomputed.ctx, residual)
+            x, residual = x[recomputed.new_rows], residual[recomputed.new_rows]
+            layers = layers[recomputed.num_layers:]
+        for layer in layers:
             x, residual = layer.forward(x, positions, self.rope, ctx, residual)
         return self.model.norm.add_forward(x, residual)[0] if residual is not None else self.model.norm(x)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> the first layer's input [T, hidden]."""
+        return self.model.embed_tokens(input_ids)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -11,11 +11,20 @@ from typing import Optional
 import torch
 from torch import nn
 
-from kvserve.config import DEFAULT_MODEL, ModelConfig
+from kvserve.config import DEFAULT_MODEL, MLAConfig, ModelConfig, MoEConfig
+from kvserve.models.deepseek import DeepseekForCausalLM
 from kvserve.models.gemma import GemmaForCausalLM
+from kvserve.models.granite import GraniteForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
+from kvserve.models.moe import MoeForCausalLM
+from kvserve.models.olmo2 import Olmo2ForCausalLM
+from kvserve.models.olmoe import OlmoeForCausalLM
+from kvserve.models.phi3 import Phi3ForCausalLM
+from kvserve.models.qwen3 import Qwen3ForCausalLM
+from kvserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
+from kvserve.models.smollm3 import SmolLM3ForCausalLM
 from kvserve.models.packed import (BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize,
                                    use_int8_activations)
 
@@ -38,6 +47,52 @@ KNOWN_CONFIGS: dict[str, ModelConfig] = {
     "gemma-3-1b": ModelConfig(262144, 1152, 6912, 26, 4, 1, 256, 32768, name="gemma-3-1b", architecture="gemma3",
                               layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(26)),
                               sliding_window=512),
+    "gemma-3-270m": ModelConfig(262144, 640, 2048, 18, 4, 1, 256, 32768, name="gemma-3-270m", architecture="gemma3",
+                                layer_types=tuple("full" if (i + 1) % 6 == 0 else "sliding" for i in range(18)),
+                                sliding_window=512),
+    # mixtures of experts: `kvserve memory` prints the weight bytes a decode token reads (active experts)
+    "mixtral-8x7b": ModelConfig(32000, 4096, 14336, 32, 32, 8, 128, 32768, rope_theta=1e6, name="mixtral-8x7b",
+                                architecture="mixtral", moe=MoEConfig(8, 2, 14336)),
+    "qwen3-30b-a3b": ModelConfig(151936, 2048, 6144, 48, 32, 4, 128, 40960, rope_theta=1e6, name="qwen3-30b-a3b",
+                                 architecture="qwen3_moe", moe=MoEConfig(128, 8, 768)),
+    "olmoe-1b-7b": ModelConfig(50304, 2048, 1024, 16, 16, 16, 128, 4096, name="olmoe-1b-7b", architecture="olmoe",
+                               moe=MoEConfig(64, 8, 1024, norm_topk_prob=False)),
+    # latent attention (MLA): the cache holds layers x (kv_lora_rank + qk_rope_head_dim) per token
+    "deepseek-v2": ModelConfig(102400, 5120, 12288, 60, 128, 128, 192, 163840, 1e-6, name="deepseek-v2",
+                               architecture="deepseek_v2", mla=MLAConfig(512, 128, 64, 128, q_lora_rank=1536),
+                               moe=MoEConfig(160, 6, 1536, routed_scaling_factor=16.0, n_group=8, topk_group=3,
+                                             norm_topk_prob=False, shared_expert_intermediate_size=2 * 1536,
+                                             dense_layers=(0,))),
+    "deepseek-v2-lite": ModelConfig(102400, 2048, 10944, 27, 16, 16, 192, 163840, 1e-6, name="deepseek-v2-lite",
+                                    architecture="deepseek_v2", mla=MLAConfig(512, 128, 64, 128),
+                                    moe=MoEConfig(64, 6, 1408, norm_topk_prob=False,
+                                                  shared_expert_intermediate_size=2 * 1408, dense_layers=(0,))),
+    "deepseek-v3": ModelConfig(129280, 7168, 18432, 61, 128, 128, 192, 163840, 1e-6, name="deepseek-v3",
+                               architecture="deepseek_v3", mla=MLAConfig(512, 128, 64, 128, q_lora_rank=1536),
+                               moe=MoEConfig(256, 8, 2048, scoring="sigmoid", routed_scaling_factor=2.5, n_group=8,
+                                             topk_group=4, group_score="top2_sum", score_correction_bias=True,
+                                             shared_expert_intermediate_size=2048, dense_layers=(0, 1, 2))),
+    # dense families beyond Llama (their published config.json)
+    "qwen3-0.6b": ModelConfig(151936, 1024, 3072, 28, 16, 8, 128, 40960, 1e-6, 1e6, tie_word_embeddings=True,
+                              name="qwen3-0.6b", architecture="qwen3"),
+    "qwen3-8b": ModelConfig(151936, 4096, 12288, 36, 32, 8, 128, 40960, 1e-6, 1e6, name="qwen3-8b",
+                            architecture="qwen3"),
+    "phi-3-mini-4k": ModelConfig(32064, 3072, 8192, 32, 32, 32, 96, 4096, name="phi-3-mini-4k", architecture="phi3",
+                                 layer_types=("sliding",) * 32, sliding_window=2047),
+    "phi-4-mini": ModelConfig(200064, 3072, 8192, 32, 24, 8, 128, 131072, tie_word_embeddings=True, rotary_dim=96,
+                              name="phi-4-mini", architecture="phi3"),
+    "olmo-2-1b": ModelConfig(100352, 2048, 8192, 16, 16, 16, 128, 4096, 1e-6, 500000.0, name="olmo-2-1b",
+                             architecture="olmo2"),
+    "olmo-2-7b": ModelConfig(100352, 4096, 11008, 32, 32, 32, 128, 4096, 1e-6, 500000.0, name="olmo-2-7b",
+                             architecture="olmo2"),
+    "smollm3-3b": ModelConfig(128256, 2048, 11008, 36, 16, 4, 128, 65536, 1e-6, 5e6, tie_word_embeddings=True,
+                              nope_layers=tuple(range(3, 36, 4)), name="smollm3-3b", architecture="smollm3"),
+    "granite-3.3-2b": ModelConfig(49159, 2048, 8192, 40, 32, 8, 64, 131072, 1e-5, 1e7, tie_word_embeddings=True,
+                                  embedding_multiplier=12.0, attention_multiplier=0.015625, residual_multiplier=0.22,
+                                  logits_scaling=8.0, name="granite-3.3-2b", architecture="granite"),
+    "granite-3.3-8b": ModelConfig(49159, 4096, 12800, 40, 32, 8, 128, 131072, 1e-5, 1e7, tie_word_embeddings=True,
+                                  embedding_multiplier=12.0, attention_multiplier=0.0078125, residual_multiplier=0.22,
+                                  logits_scaling=16.0, name="granite-3.3-8b", architecture="granite"),
 }
 
 
@@ -113,7 +168,11 @@ def load_weights(model: str, tokenizer: Optional[str] = None) -> LoadedModel:
     return llama2c.load(path if fmt == "llama2c" else _llama2c_in(path), tokenizer)
 
 
-MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM}  # else the Llama family
+MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,  # else the Llama family
+                 "mixtral": MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
+                 "olmoe": OlmoeForCausalLM, "deepseek_v2": DeepseekForCausalLM, "deepseek_v3": DeepseekForCausalLM,
+                 "qwen3": Qwen3ForCausalLM, "phi3": Phi3ForCausalLM, "olmo2": Olmo2ForCausalLM,
+                 "smollm3": SmolLM3ForCausalLM, "granite": GraniteForCausalLM}
 
 
 def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int,
@@ -125,7 +184,7 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)
-    sd, packed = _weights(loaded, dtype, weight_dtype)
+    sd, packed = _weights(loaded, dtype, weight_dtype, getattr(cls, "float_weights", ()))
     tied = loaded.config.tie_word_embeddings
     if tied:
         sd.pop("lm_head.weight", None)
@@ -139,9 +198,11 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
     for name, p in packed.items():
         _adopt_packed(model, name.removesuffix(".weight"), p, dtype)
     for layer in model.model.layers:  # one kernel call for q, k, v and one for gate, up
-        fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"], "fused_qkv")
-        if hasattr(layer.mlp, "gate_proj"):
-            fuse(layer.mlp, ["gate_proj", "up_proj"], "fused_gate_up")
+        if hasattr(layer.self_attn, "k_proj"):  # (latent attention has no k and v products)
+            fuse(layer.self_attn, ["q_proj", "k_proj", "v_proj"], "fused_qkv")
+        for mlp in layer.mlp.modules():  # a dense MLP, or an MoE block's experts and shared expert
+            if hasattr(mlp, "gate_proj") and hasattr(mlp, "fused_gate_up"):
+                fuse(mlp, ["gate_proj", "up_proj"], "fused_gate_up")
     embed = model.model.embed_tokens
     if tied and isinstance(embed, PackedEmbedding):  # the head reads the embedding's packed table
         model.lm_head = PackedLinear(PackedWeight(embed.fmt, embed.qweight, (embed.num_embeddings, embed.embedding_dim)))
@@ -159,16 +220,18 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
 QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}
 
 
-def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str
+def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_weights: tuple[str, ...] = ()
              ) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
-    """The float tensors (in dtype) and the packed ones the model is built from."""
+    """The float tensors (in dtype) and the packed ones the model is built from. Weights whose
+    names end as the model's float_weights say are kept float (dequantized where packed)."""
     sd: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     target = FORMATS.get(QUANTIZE_TO.get(weight_dtype, ""))
     for k, v in loaded.state_dict.items():
-        matrix = k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight")
+        keep_float = bool(float_weights) and k.endswith(float_weights)
+        matrix = not keep_float and (k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight"))
         if isinstance(v, PackedWeight):
-            if weight_dtype == "auto" or (target is not None and v.fmt == target):
+            if not keep_float and (weight_dtype == "auto" or (target is not None and v.fmt == target)):
                 packed[k] = v
                 continue
             v = v.dequantize()

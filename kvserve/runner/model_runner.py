@@ -15,6 +15,7 @@ step costs the step's tokens and requests, not their contexts.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -31,8 +32,10 @@ from kvserve import kernels
 from kvserve.kv.storage import KVStorage
 from kvserve.modules import FastPathEnv, bind_fast_path, unbind_fast_path
 from kvserve.models import linear
-from kvserve.models.llama import LlamaForCausalLM
+from kvserve.models.llama import LlamaForCausalLM, RecomputedLayers
+from kvserve.models.lora import LoRASet, lora_name
 from kvserve.runner.block_table import BlockTables
+from kvserve.runner.layer_recompute import LayerSelection, recomputed_layers
 from kvserve.runner.sampler import Sampler
 
 
@@ -81,6 +84,7 @@ class ModelRunner:
         self.model = model
         self.storage = storage  # None: recompute every sequence from scratch (the reference)
         self.swap_storage = swap_storage
+        self._copy_timing = [0, 0.0]  # swapped bytes and their seconds since take_copy_timing()
         self.layout = layout
         self.device = model.device
         dtype = model.dtype
@@ -114,6 +118,8 @@ class ModelRunner:
         self.mirrors: list[StepMirror] = []
         # K/V handed over by a prefill engine, by request, until its admission loads it
         self.kv_sources: dict[str, KVStorage] = {}
+        self.lora: Optional[LoRASet] = None  # the LoRA adapters the model serves (None: no LoRA)
+        self.cache_layers: Optional[LayerSelection] = None  # the layers keeping K/V (None: all)
 
     def use_fast_path(self, enabled: bool) -> dict[str, list[str]]:
         """Run the model's fast path (each module's kernel choices bound once, kvserve.modules)
@@ -138,12 +144,33 @@ class ModelRunner:
         for mirror in self.mirrors:
             mirror.forward(inp.input_ids, inp.positions, inp.common)
         try:
-            hidden = self.model(inp.input_ids, inp.positions, self.context(inp.common))
+            hidden = self._run_model(inp)
         except Exception as e:
             if self.mirrors:  # the other ranks are inside the same forward: no retry can follow
                 raise FatalStepError(f"a tensor-parallel forward failed on rank 0: {_failure(e)}") from e
             raise
         return self._sample(hidden, inp)
+
+    def _run_model(self, inp: ModelInput) -> torch.Tensor:
+        """The forward pass; with LoRA adapters served, each sequence's rows run its adapter
+        (told to the model's adapter set for this pass only)."""
+        if self.lora is not None:
+            starts = [0, *inp.row_ends[:-1]]
+            self.lora.begin_step([(lora_name(s.sampling_params), end - start)
+                                  for s, start, end in zip(inp.seqs, starts, inp.row_ends)])
+        try:
+            return self.model(inp.input_ids, inp.positions, self.context(inp.common),  # type: ignore[no-any-return]
+                              *self._recomputed(inp))
+        finally:
+            if self.lora is not None:
+                self.lora.end_step()
+
+    def _recomputed(self, inp: ModelInput) -> tuple[RecomputedLayers, ...]:
+        """Under --cache-layers, the whole sequences the uncached leading layers run over (the
+        model's extra argument); nothing otherwise (a family with its own forward takes none)."""
+        if self.cache_layers is None:
+            return ()
+        return (recomputed_layers(inp.seqs, self.cache_layers.num_recomputed, self.backend, self.device),)
 
     def execute_isolated(self, out: SchedulerOutput) -> tuple[ModelRunnerOutput, dict[str, str]]:
         """execute, and where the step raises, run each sequence alone so that a failure costs
@@ -197,6 +224,7 @@ class ModelRunner:
             return
         for mirror in self.mirrors:
             mirror.copies(copies)
+        t0 = time.perf_counter()
         if copies.swap_out:
             assert self.swap_storage is not None
             self.storage.swap_out(self.swap_storage, copies.swap_out)
@@ -206,7 +234,17 @@ class ModelRunner:
         if copies.swap_in:
             assert self.swap_storage is not None
             self.storage.swap_in(self.swap_storage, copies.swap_in)
+        num_swapped = len(copies.swap_out) + len(copies.swap_in)
+        if num_swapped:
+            self._copy_timing[0] += num_swapped * self.storage.bytes_per_block
+            self._copy_timing[1] += time.perf_counter() - t0
         self.storage.copy_blocks(copies.copy_on_write)
+
+    def take_copy_timing(self) -> tuple[int, float]:
+        """Bytes swapped between the cache and the host pool, and the seconds it took, since the
+        last call (what the engine measures the copy bandwidth by)."""
+        (num_bytes, seconds), self._copy_timing = self._copy_timing, [0, 0.0]
+        return int(num_bytes), float(seconds)
 
     def apply_loads(self, loads: Sequence[tuple[str, list[int]]]) -> None:
         """K/V another engine computed (kv_sources: a storage of the request's blocks in order)

@@ -1,5 +1,8 @@
 """The OpenAI-compatible HTTP API: completions, chat completions (streamed as server-sent
-events), models, health and Prometheus metrics, over one AsyncEngine.
+events), the Responses API (kvserve/server/responses.py, run through the chat path), models,
+health and Prometheus metrics, over one AsyncEngine. Fields a request sets that kvserve does not
+serve go through the field policy (kvserve/server/fields.py): ignored ones are named in the
+x-kvserve-ignored-fields header, those that would change the output are a 400.
 
 Errors use OpenAI's body, {"error": {"message", "type", "param", "code"}}: 400 for invalid
 requests (naming the field), 401 without the API key, 404 for an unknown model, 413 for an
@@ -31,6 +34,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
 from kvserve.engine.outputs import RequestOutput
 from kvserve.server.async_engine import AsyncEngine
+from kvserve.server.errors import APIError, error_response
+from kvserve.server.fields import IGNORED_HEADER, FieldPolicy
+from kvserve.server.lora_api import adapter_cards, adapter_names, install_lora_routes, with_adapter
 from kvserve.server.args import ServeOptions
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -52,20 +58,6 @@ PROMPT_THREADS = min(32, (os.cpu_count() or 1) + 4)
 API_FIELDS = {"structured": "response_format"}  # the engine's name of a field -> the API's
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None,
-                 kind: str = "invalid_request_error", code: Optional[str] = None,
-                 headers: Optional[dict[str, str]] = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
-        self.headers = headers
-
-
-def error_response(e: APIError) -> JSONResponse:
-    body = {"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.code}}
-    return JSONResponse(body, status_code=e.status, headers=e.headers)
-
-
 def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
                max_body_bytes: int = 1 << 20, tool_call_parser: Optional[str] = None) -> FastAPI:
     metrics_holder: dict[str, ServerMetrics] = {}
@@ -78,6 +70,7 @@ def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None
         aengine.start()
         yield
         aengine.stop()
+        engine.flush_kv_tiers()  # the pool's prefixes written down for the next start
         app.state.tokenizer_threads.close()
         app.state.prompt_threads.close()
 
@@ -181,8 +174,10 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
     app.state.prompt_threads = shared = BoundedThreads("prompt tokenizing", PROMPT_THREADS, None)
 
     def check_model(name: Optional[str]) -> None:
-        if name is not None and name != model_name:
-            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'",
+        """The base model or a loaded LoRA adapter (kvserve.server.lora_api), else a 404."""
+        if name is not None and name != model_name and name not in adapter_names(engine):
+            adapters = f" and the LoRA adapters {adapter_names(engine)}" if engine.lora is not None else ""
+            raise APIError(404, f"the model '{name}' does not exist; this server serves '{model_name}'{adapters}",
                            "model", "NotFoundError", "model_not_found")
 
     @app.get("/health")
@@ -201,16 +196,41 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         from kvserve.engine.kv_state import kv_state
         return await aengine.call(kv_state)  # type: ignore[no-any-return]
 
+    from kvserve.server.kv_events_api import install_kv_event_routes
+    install_kv_event_routes(app, aengine, engine)  # GET /v1/kv/events
+
     @app.get("/dashboard", response_class=HTMLResponse)
     async def dashboard() -> HTMLResponse:
         """The live view of the cache (it reads /v1/kv/state with the key typed into it)."""
         page = _static("dashboard.html").replace("__NEEDS_KEY__", "true" if needs_key else "false")
         return HTMLResponse(page, headers={"Cache-Control": "no-store"})
 
+    def model_card() -> dict[str, Any]:
+        return {"id": model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+                "max_model_len": engine.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvserve", "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card(), *adapter_cards(engine, model_name)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        check_model(model_id)
+        return next((c for c in adapter_cards(engine, model_name) if c["id"] == model_id), model_card())
+
+    install_lora_routes(app, aengine, engine, model_name)  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+
+    policy = FieldPolicy(logger)
+
+    def reported(response: Any, ignored: list[str]) -> Any:
+        """The response, with the fields it ignored named in a header (and logged once each)."""
+        value = policy.report(ignored)
+        if value is None:
+            return response
+        if not isinstance(response, StreamingResponse):
+            response = JSONResponse(response)
+        response.headers[IGNORED_HEADER] = value
+        return response
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -224,15 +244,17 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
         # echo with logprobs scores the prompt too; echo with max_tokens 0 only scores it
         prompt_logprobs = (body.logprobs or 0) if body.echo and (body.logprobs is not None or body.max_tokens == 0) \
             else None
-        params = _params(body, body.logprobs, 16, prompt_logprobs)  # 16: OpenAI's and vLLM's default
+        # 16: OpenAI's and vLLM's default
+        params = with_adapter(_params(body, body.logprobs, 16, prompt_logprobs), body.model, engine)
         ids = [await _tokenize("prompt", tokenizer.encode, p, shared)
                if isinstance(p, str) and tokenizer is not None else p
                for p in prompts]  # off the event loop and the engine thread
         echo = [p if isinstance(p, str) else None for p in prompts] if body.echo else None
         if len(ids) > 1:
-            return await _respond_many(aengine, body, ids, params, request, model_name, tokenizer, echo)
-        return await _respond(aengine, body, ids[0], params, request, model_name, chat=False,
-                              tokenizer=tokenizer, echo=echo[0] if echo else None)
+            return reported(await _respond_many(aengine, body, ids, params, request, model_name, tokenizer, echo),
+                            body.ignored_fields())
+        return reported(await _respond(aengine, body, ids[0], params, request, model_name, chat=False,
+                                       tokenizer=tokenizer, echo=echo[0] if echo else None), body.ignored_fields())
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -264,6 +286,10 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return reported(await run_chat(body, request), body.ignored_fields())
+
+    async def run_chat(body: ChatCompletionRequest, request: Request, as_payloads: bool = False) -> Any:
+        """A chat completion: its body, or its stream (with as_payloads its chunks as dicts)."""
         check_model(body.model)
         if tokenizer is None or not tokenizer.chat_template:
             raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
@@ -278,7 +304,8 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
             body.max_tokens = body.max_completion_tokens
         # without max_tokens a chat reply may take the rest of the context, as OpenAI's and vLLM's
         rest = max(engine.max_seq_len - len(ids), 1) if not engine.unbounded else 1 << 20
-        params = _params(body, (body.top_logprobs or 0) if body.logprobs else None, min(rest, 1 << 20))
+        params = with_adapter(_params(body, (body.top_logprobs or 0) if body.logprobs else None, min(rest, 1 << 20)),
+                              body.model, engine)
         if plan is not None and plan.schema is not None:  # a forced call: the output held to its schema
             if params.structured is not None:
                 raise APIError(400, "tool_choice: a forced tool call cannot be combined with response_format "
@@ -288,7 +315,10 @@ def _install_routes(app: FastAPI, aengine: AsyncEngine, engine: LLMEngine, model
             except ValueError as e:
                 raise APIError(400, f"tool_choice: {e}", "tool_choice") from e
         return await _respond(aengine, body, ids, params, request, model_name, chat=True, tokenizer=tokenizer,
-                              tools=plan)
+                              tools=plan, as_payloads=as_payloads)
+
+    from kvserve.server.responses import install_responses
+    install_responses(app, run_chat, check_model, model_name, reported)
 
 
 def _chat_input(body: ChatCompletionRequest, plan: Optional[ToolPlan],
@@ -386,17 +416,25 @@ async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], re
 
 async def _respond(aengine: AsyncEngine, body: Any, prompt: Any, params: Any, request: Request,
                    model_name: str, chat: bool, tokenizer: Any, echo: Optional[str] = None,
-                   tools: Optional[ToolPlan] = None) -> Any:
+                   tools: Optional[ToolPlan] = None, as_payloads: bool = False) -> Any:
+    """One request's response: a body, or a stream (as SSE, or with as_payloads its chunks as dicts)."""
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     async with _AbortOnDisconnect(request, aengine) as watch:  # a stream watches from here on
         watch.request_ids.append(rid)
         first, stream = await _start(aengine, rid, body, prompt, params, chat)
-        fmt = _Formatter(rid, model_name, chat, tokenizer, bool(body.echo) if not chat else False, echo, tools)
+        fmt = _Formatter(rid, _served(params, model_name), chat, tokenizer, bool(body.echo) if not chat else False,
+                         echo, tools, num_top=params.logprobs)
         if body.stream and first.error != CLIENT_GONE:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(_sse([_Part(fmt, first, stream)], request, include_usage),
-                                     media_type="text/event-stream")
+            parts = [_Part(fmt, first, stream)]
+            if as_payloads:
+                return _payloads(parts, request, _Usage.of(body))
+            return StreamingResponse(_sse(parts, request, _Usage.of(body)), media_type="text/event-stream")
         return fmt.full(await _finish(first, stream, request))
+
+
+def _served(params: Any, model_name: str) -> str:
+    """The model a response names: the LoRA adapter the request ran, or the base model."""
+    return params.lora_request.lora_name if params.lora_request is not None else model_name
 
 
 async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], params: Any, request: Request,
@@ -406,17 +444,16 @@ async def _respond_many(aengine: AsyncEngine, body: Any, prompts: list[Any], par
     stream interleaves their chunks as they come."""
     rid = f"cmpl-{uuid.uuid4().hex}"
     started: list[tuple[RequestOutput, AsyncIterator[RequestOutput]]] = []
-    fmts = [_Formatter(rid, model_name, False, tokenizer, bool(body.echo), echo[i] if echo else None,
-                       offset=i * params.n) for i in range(len(prompts))]
+    fmts = [_Formatter(rid, _served(params, model_name), False, tokenizer, bool(body.echo), echo[i] if echo else None,
+                       offset=i * params.n, num_top=params.logprobs) for i in range(len(prompts))]
     try:
         async with _AbortOnDisconnect(request, aengine) as watch:  # a stream watches from here on
             for i, p in enumerate(prompts):
                 watch.request_ids.append(f"{rid}-{i}")
                 started.append(await _start(aengine, f"{rid}-{i}", body, p, params, False))
             if body.stream and all(first.error != CLIENT_GONE for first, _ in started):
-                include_usage = bool(body.stream_options and body.stream_options.include_usage)
                 parts = [_Part(f, first, stream) for f, (first, stream) in zip(fmts, started)]
-                response = StreamingResponse(_sse(parts, request, include_usage), media_type="text/event-stream")
+                response = StreamingResponse(_sse(parts, request, _Usage.of(body)), media_type="text/event-stream")
                 started = []  # the stream owns them now
                 return response
             outs = await asyncio.gather(*(_finish(first, stream, request) for first, stream in started))
@@ -473,21 +510,43 @@ async def _outputs(parts: list[_Part]) -> AsyncIterator[tuple[_Part, RequestOutp
             task.cancel()
 
 
-async def _sse(parts: list[_Part], request: Request, include_usage: bool) -> AsyncIterator[str]:
+@dataclasses.dataclass(frozen=True)
+class _Usage:
+    """What a stream reports of usage: a last chunk with the totals (include_usage), and the
+    usage so far in every chunk (vLLM's continuous_usage_stats)."""
+    at_end: bool = False
+    continuous: bool = False
+
+    @staticmethod
+    def of(body: Any) -> "_Usage":
+        o = body.stream_options
+        return _Usage(bool(o and o.include_usage), bool(o and o.continuous_usage_stats))
+
+
+async def _sse(parts: list[_Part], request: Request, usage: _Usage) -> AsyncIterator[str]:
+    async for payload in _payloads(parts, request, usage):
+        yield _event(payload)
+    yield "data: [DONE]\n\n"
+
+
+async def _payloads(parts: list[_Part], request: Request, usage: _Usage) -> AsyncIterator[dict[str, Any]]:
+    """A stream's chunks as dicts (an error as {"error": ...}); the requests are closed at the end."""
+    def chunk(p: _Part, choices: list[dict[str, Any]], out: RequestOutput) -> dict[str, Any]:
+        return p.fmt.chunk(choices, usage=p.fmt.usage(out) if usage.continuous else None)
     try:
         for p in parts:
             p.last = p.first
             if p.fmt.chat:
-                yield _event(p.fmt.chunk([{"index": p.fmt.offset + i, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None} for i in range(p.fmt.n(p.first))]))
+                yield chunk(p, [{"index": p.fmt.offset + i, "delta": {"role": "assistant", "content": ""},
+                                 "logprobs": None, "finish_reason": None} for i in range(p.fmt.n(p.first))], p.first)
             elif p.fmt.echo:
                 want = any(c.logprobs is not None for c in p.first.outputs) or p.first.prompt_logprobs is not None
-                yield _event(p.fmt.chunk(p.fmt.echo_choices(p.first, want)))
+                yield chunk(p, p.fmt.echo_choices(p.first, want), p.first)
         async for p, out in _outputs(parts):
             p.last = out
             choices = p.fmt.delta_choices(out)
             if choices:
-                yield _event(p.fmt.chunk(choices))
+                yield chunk(p, choices, out)
             if not out.finished and await request.is_disconnected():
                 return
         for p in parts:
@@ -495,12 +554,11 @@ async def _sse(parts: list[_Part], request: Request, include_usage: bool) -> Asy
             assert out is not None
             if out.error:  # the request failed: every choice ends with finish_reason "error", then the error
                 if not out.outputs:  # ended from outside the engine (shutdown): no choice has ended yet
-                    yield _event(p.fmt.chunk([p.fmt.ended(i, "error") for i in range(p.fmt.n(p.first))]))
-                yield _event({"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}})
-        if include_usage:
-            usage = _summed_usage([p.fmt.usage(p.last) for p in parts if p.last is not None])
-            yield _event(parts[0].fmt.chunk([], usage=usage))
-        yield "data: [DONE]\n\n"
+                    yield chunk(p, [p.fmt.ended(i, "error") for i in range(p.fmt.n(p.first))], out)
+                yield {"error": {"message": out.error, "type": "server_error", "param": None, "code": 500}}
+        if usage.at_end:
+            total = _summed_usage([p.fmt.usage(p.last) for p in parts if p.last is not None])
+            yield parts[0].fmt.chunk([], usage=total)
     finally:
         for p in parts:  # a disconnect lands here: the requests are aborted, their blocks freed
             try:
@@ -518,11 +576,14 @@ class _Formatter:
     with a tool plan, each chat choice's text goes through its own tool-call parser."""
 
     def __init__(self, rid: str, model: str, chat: bool, tokenizer: Any, echo: bool = False,
-                 echo_text: Optional[str] = None, tools: Optional[ToolPlan] = None, offset: int = 0) -> None:
+                 echo_text: Optional[str] = None, tools: Optional[ToolPlan] = None, offset: int = 0,
+                 num_top: Optional[int] = None) -> None:
         self.rid, self.model, self.chat, self.tokenizer = rid, model, chat, tokenizer
         self.echo, self.echo_text = echo, echo_text  # completions: the prompt's text comes first
         self.tools, self.offset = tools, offset
+        self.num_top = num_top or 0  # chat: top_logprobs per position
         self.parsers: dict[int, ToolCallParser] = {}  # a stream's parser per choice
+        self.held: dict[int, list[dict[str, Any]]] = {}  # a stream's logprobs of text a parser holds back
         self.created = int(time.time())
 
     def prompt_text(self, out: RequestOutput) -> str:
@@ -588,8 +649,22 @@ class _Formatter:
                 if parsed.calls:
                     delta["tool_calls"] = parsed.calls
                 reason = _tool_reason(reason, parser)
+                lp = self._held_back(c.index, lp, bool(delta) or reason is not None)
+                if lp is False:  # nothing to say yet: no empty delta is sent
+                    continue
             choices.append({"index": index, "delta": delta, "logprobs": lp, "finish_reason": reason})
         return choices
+
+    def _held_back(self, index: int, lp: Optional[dict[str, Any]], sends: bool) -> Any:
+        """A chat chunk's logprobs, with those of tokens whose text a tool parser held back
+        before it; False when the chunk would be empty (its logprobs wait for the next one)."""
+        held = self.held.setdefault(index, [])
+        if lp is not None:
+            held += lp["content"]
+        if not sends:
+            return False
+        self.held[index] = []
+        return {"content": held} if lp is not None else None
 
     def full(self, out: RequestOutput) -> dict[str, Any]:
         choices = []
@@ -628,10 +703,9 @@ class _Formatter:
             return None
         rows = lps[start:start + len(ids)]
         tok = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else str
-        if self.chat:
-            return {"content": [{"token": tok(t), "logprob": r.get(t), "bytes": None,
-                                 "top_logprobs": [{"token": tok(k), "logprob": v, "bytes": None}
-                                                  for k, v in r.items() if k != t or len(r) == 1]}
+        if self.chat:  # the rows hold the top k first, then the sampled token when not among them
+            return {"content": [{**_token_entry(tok(t), r.get(t)),
+                                 "top_logprobs": [_token_entry(tok(k), v) for k, v in list(r.items())[:self.num_top]]}
                                 for t, r in zip(ids, rows)]}
         tokens = [tok(t) for t in ids]
         offsets = []  # where each token's text starts: the length of the text of the tokens before it
@@ -646,6 +720,11 @@ class _Formatter:
                 "top_logprobs": [None if none_first and i == 0 else {tok(k): v for k, v in r.items()}
                                  for i, r in enumerate(rows)],
                 "text_offset": offsets}
+
+
+def _token_entry(text: str, logprob: Optional[float]) -> dict[str, Any]:
+    """Chat's logprob entry: the token, its logprob and its text's UTF-8 bytes."""
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8", "surrogatepass"))}
 
 
 def _tool_reason(reason: Optional[str], parser: ToolCallParser) -> Optional[str]:

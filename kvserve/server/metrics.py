@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Union
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvserve.engine.llm_engine import EngineStats
@@ -18,7 +18,7 @@ class _EngineCollector(Collector):
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.stats = stats
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[Union[GaugeMetricFamily, CounterMetricFamily]]:
         e = self.stats()
         s = e.scheduler
         yield _gauge("kvserve_kv_cache_bytes_per_token", f"KV bytes per token ({e.kv_cache_dtype}: values and "
@@ -49,7 +49,35 @@ class _EngineCollector(Collector):
         yield _gauge("kvserve_num_swaps_out", "Requests swapped out to the CPU pool since start", e.num_swaps_out)
         yield _gauge("kvserve_num_swaps_in", "Requests swapped back in since start", e.num_swaps_in)
         yield _gauge("kvserve_kv_cache_evictions", "Cached blocks evicted for reuse since start", e.num_evictions)
+        choices = CounterMetricFamily("kvserve_preemption_choices", "Preempted requests by how they give their "
+                                      "blocks back (swap or recompute) and why", labels=["mode", "reason"])
+        for mode, reason, n in e.preemption_choices:
+            choices.add_metric([mode, reason], n)
+        yield choices
+        yield _gauge("kvserve_preemption_prefill_tokens_per_second", "Measured prefill speed a recompute is "
+                     "costed at", e.prefill_tokens_per_s)
+        yield _gauge("kvserve_preemption_copy_bytes_per_second", "Measured cache-to-host copy bandwidth a swap is "
+                     "costed at", e.copy_bytes_per_s)
         yield _gauge("kvserve_kv_cache_fragmentation_slots", "Allocated slots holding no token", s.fragmentation_slots)
+        yield from _tier_metrics(e)
+
+
+def _tier_metrics(e: EngineStats) -> Iterator[Union[GaugeMetricFamily, CounterMetricFamily]]:
+    """The tiers below the pool (host RAM, disk), labelled by medium."""
+    families = (
+        (GaugeMetricFamily, "kvserve_kv_tier_blocks", "Prefix blocks a tier below the pool holds", "num_blocks"),
+        (GaugeMetricFamily, "kvserve_kv_tier_bytes", "Bytes a tier below the pool holds", "num_bytes"),
+        (GaugeMetricFamily, "kvserve_kv_tier_max_bytes", "Bytes a tier below the pool may hold", "max_bytes"),
+        (CounterMetricFamily, "kvserve_kv_tier_hit_blocks", "Blocks loaded back into the pool from a tier",
+         "num_hit_blocks"),
+        (CounterMetricFamily, "kvserve_kv_tier_stored_blocks", "Blocks written into a tier", "num_stored_blocks"),
+        (CounterMetricFamily, "kvserve_kv_tier_load_seconds", "Time spent loading blocks back from a tier",
+         "load_seconds"))
+    for kind, name, doc, attr in families:
+        family = kind(name, doc, labels=["medium"])
+        for t in e.tiers:
+            family.add_metric([t.medium], getattr(t, attr))
+        yield family
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

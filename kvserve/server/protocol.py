@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictBool, StrictFloat, StrictInt, model_validator
 
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.config import FieldError
+from kvserve.server.fields import check_extra
 
 MAX_N = 16
 MAX_STOP = 8
@@ -16,28 +17,33 @@ MAX_PROMPTS = 64
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: the usage so far in every chunk
+    include_obfuscation: Optional[StrictBool] = None  # ignored (kvserve/server/fields.py)
 
 
-# OpenAI fields these endpoints do not serve: accepted where they ask for nothing (null, false,
-# empty, or their default), refused by name otherwise; a field OpenAI does not have is refused
-NOT_SERVED = {"logit_bias": None, "suffix": None, "store": False,
-              "metadata": None, "service_tier": "auto", "modalities": ["text"], "audio": None,
-              "prediction": None, "reasoning_effort": None, "functions": None, "function_call": "none",
-              "web_search_options": None}
+MAX_BIAS_ENTRIES = 300  # OpenAI's bound on logit_bias's size
+MAX_RETENTION_RANGES = 64
 
 
 class _Common(BaseModel):
+    """The fields completions and chat share. Extra fields go through the field policy
+    (kvserve/server/fields.py): ignored ones are listed by `ignored_fields()`, refused and unknown
+    ones are a 400 naming them."""
+
     model_config = ConfigDict(extra="allow")
+    _ignored: list[str] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
-    def _nothing_ignored(self) -> "_Common":
-        for name, value in (self.model_extra or {}).items():
-            if name not in NOT_SERVED:
-                raise FieldError(name, "not a field of this endpoint")
-            if value not in (None, False, [], {}, NOT_SERVED[name]):
-                raise FieldError(name, f"not supported by this server (only {NOT_SERVED[name]!r} or null)")
+    def _policy(self) -> "_Common":
+        self._ignored = check_extra(dict(self.model_extra or {}))
+        if self.stream_options is not None and self.stream_options.include_obfuscation is not None:
+            self._ignored.append("stream_options.include_obfuscation")
         return self
+
+    def ignored_fields(self) -> list[str]:
+        return list(self._ignored)
 
     model: Optional[str] = Field(None, max_length=256)
     max_tokens: Optional[StrictInt] = Field(None, ge=1, le=1 << 20)
@@ -53,7 +59,6 @@ class _Common(BaseModel):
     presence_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: StrictFloat = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: StrictFloat = Field(1.0, gt=0.0, le=10.0)
-    user: Optional[str] = Field(None, max_length=256)
     cache_salt: Optional[str] = Field(None, max_length=256)
     priority: StrictInt = Field(0, ge=-1000, le=1000)
     ignore_eos: StrictBool = False
@@ -69,6 +74,19 @@ class _Common(BaseModel):
     guided_regex: Optional[str] = Field(None, max_length=4096)
     guided_choice: Optional[list[str]] = Field(None, min_length=1, max_length=256)
     guided_grammar: Optional[str] = Field(None, max_length=65536)
+    logit_bias: Optional[dict[str, Union[StrictInt, StrictFloat]]] = Field(None, max_length=MAX_BIAS_ENTRIES)
+    # kvserve's extension (TensorRT-LLM's retention priorities): [{"start", "end", "priority" 1-100,
+    # "duration_s"?}] token ranges of the prompt whose cached blocks outlive others (SamplingParams checks them)
+    kv_retention: Optional[list[Any]] = Field(None, max_length=MAX_RETENTION_RANGES)
+
+    def bias(self) -> dict[int, float]:
+        """logit_bias's token id strings as ids (SamplingParams checks the bounds)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise FieldError("logit_bias", f"keys must be token ids written as decimal strings, got {key!r}")
+            out[int(key)] = float(value)
+        return out
 
     def structured(self) -> Optional[tuple[str, str]]:
         """(kind, spec) for SamplingParams.structured, from whichever field asks for it."""
@@ -114,7 +132,8 @@ class _Common(BaseModel):
             prompt_logprobs=prompt_logprobs, structured=self.structured(),
             ignore_eos=self.ignore_eos, logprobs=logprobs, use_beam_search=self.use_beam_search,
             beam_width=(self.best_of or self.n) if self.use_beam_search else None,
-            length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            length_penalty=self.length_penalty, early_stopping=self.early_stopping, logit_bias=self.bias(),
+            kv_retention=tuple(self.kv_retention or ()))
 
 
 class CompletionRequest(_Common):

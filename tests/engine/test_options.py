@@ -111,6 +111,7 @@ def test_the_defaults_users_know_stay_what_they_were():
     a = engine_parser().parse_args([])
     known = dict(dtype="float32", weight_dtype="auto", packed_activations="float", kv_cache_dtype="auto",
                  block_size=16, max_num_seqs=64, max_num_batched_tokens=2048, policy="fcfs",
-                 preemption_mode="recompute", swap_space=float(1 << 30), seed=0, attention_backend="auto",
+                 preemption_mode="auto", eviction_policy="lru", swap_space=float(1 << 30), seed=0,
+                 attention_backend="auto",
                  linear_backend="auto", num_speculative_tokens=4, tensor_parallel_size=1, attention_sinks=0)
     assert {k: getattr(a, k) for k in known} == known

@@ -90,6 +90,9 @@ HF_MODELS = {
     "gemma3": lambda: transformers.Gemma3ForCausalLM(transformers.Gemma3TextConfig(
         **HF_COMMON, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=24, sliding_window_pattern=3,
         rope_local_base_freq=10000.0, rope_theta=1_000_000.0)),
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **HF_COMMON, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        mlp_only_layers=[0], norm_topk_prob=True)),
 }
 
 

@@ -9,6 +9,7 @@ the model rotates halves like Hugging Face. Qwen2 files are stored unpermuted (N
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -16,19 +17,24 @@ from typing import Any
 import torch
 
 from kvserve.config import ModelConfig
+from kvserve.models.loaders import experts, families, gguf_deepseek
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError, interleaved_to_half_rope
 from kvserve.models.loaders.gguf_file import GGUFFile
+from kvserve.models.loaders.gguf_gemma import GEMMA_ARCHS, GGUF_LAYER_RENAMES, gemma_fields
 from kvserve.models.packed import BY_GGML_TYPE, PackedWeight
-from kvserve.tokenizer.hf import HFTokenizer, from_gguf_bpe
+from kvserve.tokenizer.hf import HFTokenizer, from_gguf_bpe, from_gguf_spm
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "mistral")
-PERMUTED_ARCHS = ("llama", "mistral")
+SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", *experts.GGUF_MOE_ARCHS, *families.GGUF_ARCHS, *GEMMA_ARCHS,
+                   gguf_deepseek.ARCH)
+PERMUTED_ARCHS = ("llama", "mistral", "mixtral", *families.GGUF_PERMUTED)  # kvserve's names (llama.cpp's llama with experts: mixtral)
 LAYER_RENAMES = {
     "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "ffn_down": "mlp.down_proj", **experts.GGUF_LAYER_RENAMES,
 }
+ARCH_LAYER_RENAMES = {**families.GGUF_LAYER_RENAMES, **{a: GGUF_LAYER_RENAMES for a in GEMMA_ARCHS},
+                      **{a: gguf_deepseek.GGUF_LAYER_RENAMES for a in ("deepseek_v2", "deepseek_v3")}}
 GLOBAL_RENAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
@@ -55,7 +61,8 @@ def read_config(path: str, meta: dict[str, Any] | None = None) -> ModelConfig:
     if get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": float(get("rope.scaling.factor"))}
     window = get("attention.sliding_window")  # llama.cpp writes it for Mistral and windowed Qwen2
-    return ModelConfig(
+    moe = experts.gguf_moe_config(get, arch, int(get("block_count")), int(get("feed_forward_length")))
+    cfg = ModelConfig(
         layer_types=("sliding",) * int(get("block_count")) if window else (),
         sliding_window=int(window) if window else None,
         vocab_size=vocab, hidden_size=hidden, intermediate_size=int(get("feed_forward_length")),
@@ -65,8 +72,13 @@ def read_config(path: str, meta: dict[str, Any] | None = None) -> ModelConfig:
         max_position_embeddings=int(get("context_length", 2048)),
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        tie_word_embeddings=False, attention_bias=arch == "qwen2", architecture=arch,
+        tie_word_embeddings=False, attention_bias=arch == "qwen2", moe=moe,
+        architecture=experts.GGUF_MOE_ARCHS.get(arch, "mixtral" if moe else arch),
+        **families.gguf_fields(get, arch, int(get("attention.key_length", hidden // heads)), int(get("block_count"))),
         name=str(meta.get("general.name", os.path.basename(path))))
+    if arch == gguf_deepseek.ARCH:  # latent attention, DeepSeek's routing (kvserve.models.loaders.gguf_deepseek)
+        cfg = dataclasses.replace(cfg, **gguf_deepseek.config_fields(get, path, int(get("block_count"))))
+    return dataclasses.replace(cfg, **gemma_fields(get, arch, path)) if arch in GEMMA_ARCHS else cfg
 
 
 def load(path: str) -> LoadedModel:
@@ -74,22 +86,40 @@ def load(path: str) -> LoadedModel:
     meta = f.metadata
     cfg = read_config(path, meta)
     sd: dict[str, torch.Tensor] = {}
+    latent: dict[str, torch.Tensor] = {}  # MLA's kv_b pieces and router biases, joined after the loop
     for t in f.tensors:
-        name = _hf_name(t.name)
+        if cfg.mla is not None and gguf_deepseek.is_latent_tensor(t.name):
+            latent[t.name] = f.dequantize(t)
+            continue
+        split = experts.gguf_experts(t.name, t.shape, t.ggml_type, lambda t=t: _raw(f, t)
+                                     if t.ggml_type in BY_GGML_TYPE else f.dequantize(t))
+        if split is not None:
+            sd.update(split)
+            continue
+        name = _hf_name(t.name, cfg.architecture)
         if name is None:
             continue
         w = _packed(f, t) if t.ggml_type in BY_GGML_TYPE and len(t.shape) == 2 else f.dequantize(t)
         sd[name] = _unpermute(name, w, cfg) if cfg.architecture in PERMUTED_ARCHS else w
+    if cfg.mla is not None:
+        sd.update(gguf_deepseek.latent_tensors(latent, cfg))
     tied = "lm_head.weight" not in sd
+    sd = experts.shared_expert_gate(sd)
+    if cfg.architecture == "phi3":  # attn_qkv and ffn_up (gate | up) as Llama's products; longrope
+        sd = families.split_fused(sd, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+        longrope = families.gguf_longrope(path, lambda key, default=None: meta.get(f"phi3.{key}", default),
+                                          cfg.rotary_dim, {t.name: f.dequantize(t) for t in f.tensors
+                                                           if t.name.startswith("rope_factors_")})
+        cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": longrope or cfg.rope_scaling})
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied,
                          "attention_bias": "model.layers.0.self_attn.q_proj.bias" in sd})
     return LoadedModel(cfg, sd, _tokenizer(meta, path), f"gguf:{os.path.abspath(path)}:{os.path.getsize(path)}")
 
 
-def _hf_name(name: str) -> str | None:
+def _hf_name(name: str, arch: str = "llama") -> str | None:
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name)
     if m:
-        inner = LAYER_RENAMES.get(m.group(2))
+        inner = ARCH_LAYER_RENAMES.get(arch, {}).get(m.group(2)) or LAYER_RENAMES.get(m.group(2))
         return f"model.layers.{m.group(1)}.{inner}.{m.group(3)}" if inner else None
     base, _, kind = name.rpartition(".")
     return f"{GLOBAL_RENAMES[base]}.{kind}" if base in GLOBAL_RENAMES else None
@@ -98,8 +128,12 @@ def _hf_name(name: str) -> str | None:
 def _packed(f: GGUFFile, t: Any) -> PackedWeight:
     """The tensor's blocks as stored (a copy: the model owns its weights, not the file's map)."""
     n, k = t.shape
-    data = torch.frombuffer(bytearray(f.data[t.offset:t.offset + t.nbytes]), dtype=torch.uint8)
-    return PackedWeight(BY_GGML_TYPE[t.ggml_type], data.reshape(n, -1), (n, k))
+    return PackedWeight(BY_GGML_TYPE[t.ggml_type], _raw(f, t).reshape(n, -1), (n, k))
+
+
+def _raw(f: GGUFFile, t: Any) -> torch.Tensor:
+    """The tensor's bytes, uint8 (a copy)."""
+    return torch.frombuffer(bytearray(f.data[t.offset:t.offset + t.nbytes]), dtype=torch.uint8)
 
 
 def _unpermute(name: str, w: Any, cfg: ModelConfig) -> Any:
@@ -116,17 +150,31 @@ def _unpermute(name: str, w: Any, cfg: ModelConfig) -> Any:
 
 def _tokenizer(meta: dict[str, Any], path: str) -> HFTokenizer:
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(f"{path}: tokenizer model {kind!r} is not supported (byte-level BPE "
-                             f"'gpt2' is); pass --tokenizer with a tokenizer.json")
+                             f"'gpt2' and sentencepiece-style 'llama' are); pass --tokenizer with a tokenizer.json")
     eos = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [int(eos)] if eos is not None else []
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None and int(eot) not in eos_ids:
         eos_ids.append(int(eot))
     bos = meta.get("tokenizer.ggml.bos_token_id")
+    if kind == "llama":
+        return _spm_tokenizer(meta, path, None if bos is None else int(bos), eos_ids)
     return from_gguf_bpe(
         meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"],
         meta.get("tokenizer.ggml.token_type", []), str(meta.get("tokenizer.ggml.pre", "gpt2")),
         None if bos is None else int(bos), eos_ids,
         bool(meta.get("tokenizer.ggml.add_bos_token", False)), meta.get("tokenizer.chat_template"))
+
+
+def _spm_tokenizer(meta: dict[str, Any], path: str, bos: int | None, eos_ids: list[int]) -> HFTokenizer:
+    """A sentencepiece-style vocabulary as Gemma's files store it (no prefix space, merges implied
+    by the vocabulary); other 'llama' vocabularies (Llama 2's, with a prefix space and merges
+    ranked by score) are refused rather than encoded differently from their model's tokenizer."""
+    arch = meta.get("general.architecture")
+    if arch not in GEMMA_ARCHS or meta.get("tokenizer.ggml.add_space_prefix", True):
+        raise ModelLoadError(f"{path}: the sentencepiece-style vocabulary of a {arch!r} file is not supported "
+                             f"(Gemma's, {GEMMA_ARCHS}, is); pass --tokenizer with a tokenizer.json")
+    return from_gguf_spm(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", []), bos, eos_ids,
+                         bool(meta.get("tokenizer.ggml.add_bos_token", True)), meta.get("tokenizer.chat_template"))

@@ -9,12 +9,16 @@ from typing import Any, Optional
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import MLAConfig, ModelConfig
+from kvserve.models.loaders import experts, families
+from kvserve.models.gemma import norms_plus_one
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
 from kvserve.tokenizer.hf import HFTokenizer, from_tokenizer_json
 
+MLA_ARCHS = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 SUPPORTED = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-             "Qwen2ForCausalLM": "qwen2", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3"}
+             "Qwen2ForCausalLM": "qwen2", "Gemma2ForCausalLM": "gemma2", "Gemma3ForCausalLM": "gemma3",
+             **experts.HF_MOE_ARCHS, **MLA_ARCHS, **families.HF_ARCHS}
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model"]
 
 
@@ -30,7 +34,9 @@ def download(repo_id: str) -> str:
 
 
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "gemma2": "gemma2",
-               "gemma3_text": "gemma3"}  # config.json's model_type, where it names no architectures
+               "gemma3_text": "gemma3", **experts.HF_MOE_MODEL_TYPES,
+               "deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3",
+               **families.HF_MODEL_TYPES}  # model_type, where no architectures
 _REQUIRED: Any = object()
 _KINDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list",
           dict: "an object"}
@@ -117,7 +123,8 @@ def read_config(directory: str) -> ModelConfig:
         max_position_embeddings=c.get("max_position_embeddings", int, 2048),
         rms_norm_eps=c.get("rms_norm_eps", float, 1e-6), rope_theta=theta, rope_scaling=scaling,
         tie_word_embeddings=c.get("tie_word_embeddings", bool, gemma),
-        attention_bias=c.get("attention_bias", bool, arch == "qwen2"), architecture=arch,
+        attention_bias=c.get("attention_bias", bool, c.get("qkv_bias", bool, arch in ("qwen2", "qwen2_moe"))),
+        architecture=arch,
         name=c.get("_name_or_path", str, "") or os.path.basename(os.path.normpath(directory)),
         layer_types=layer_types, sliding_window=window,
         hidden_act="gelu_tanh" if gemma else "silu",
@@ -126,9 +133,32 @@ def read_config(directory: str) -> ModelConfig:
         final_logit_softcapping=c.get_or_null("final_logit_softcapping", float, 30.0 if gemma2 else None),
         rope_local_theta=local)
     try:
+        fields["moe"] = experts.hf_moe_config(c.get, arch, fields["num_hidden_layers"], fields["intermediate_size"])
+        if arch in MLA_ARCHS.values():
+            fields.update(_deepseek_fields(c, arch, fields["num_hidden_layers"]))
+        families.check_rope_scaling(path, arch, scaling)
+        fields.update(families.hf_fields(c, arch, fields["head_dim"] or fields["hidden_size"] // heads,
+                                         fields["num_hidden_layers"], scaling))
         return ModelConfig(**fields)
+    except ModelLoadError:
+        raise
     except ValueError as e:  # a value of the right type that cannot be (hidden_size 0)
         raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _deepseek_fields(c: _Fields, arch: str, num_layers: int) -> dict[str, Any]:
+    """DeepSeek-V2/V3: the latent attention's shapes (head_dim: a query head, nope + rope) and,
+    where any layer routes (first_k_dense_replace < layers), the experts."""
+    mla = MLAConfig(c.get("kv_lora_rank", int), c.get("qk_nope_head_dim", int), c.get("qk_rope_head_dim", int),
+                    c.get("v_head_dim", int), c.get("q_lora_rank", int, None),
+                    # V2's rotation works on interleaved pairs always; V3 says so in rope_interleave
+                    arch == "deepseek_v2" or c.get("rope_interleave", bool, True))
+    dense = c.get("first_k_dense_replace", int, 0)
+
+    def get(key: str, kind: type, default: Any = _REQUIRED) -> Any:  # V3 routes by noaux_tc, unnamed in its config
+        return c.get(key, kind, "noaux_tc" if key == "topk_method" and arch == "deepseek_v3" else default)
+    moe = experts.deepseek_moe_config(get, num_layers) if dense < num_layers else None
+    return {"mla": mla, "head_dim": mla.qk_nope_head_dim + mla.qk_rope_head_dim, "moe": moe}
 
 
 def _architecture(c: _Fields) -> str:
@@ -169,7 +199,7 @@ def _layer_types(c: _Fields, arch: str) -> tuple[tuple[str, ...], Optional[int]]
     configs, each family's rule (Mistral: all; Qwen2: from max_window_layers on, when
     use_sliding_window; Gemma 2: every other; Gemma 3: all but every sliding_window_pattern-th)."""
     n, window = c.get("num_hidden_layers", int), c.get("sliding_window", int, None)
-    if arch == "qwen2" and not c.get("use_sliding_window", bool, False):
+    if arch in ("qwen2", "qwen2_moe", "qwen3_moe", "qwen3", "smollm3") and not c.get("use_sliding_window", bool, False):
         window = None
     if window is None:
         return (), None
@@ -200,6 +230,12 @@ def load(directory: str, tokenizer_path: Optional[str] = None) -> LoadedModel:
     sd: dict[str, torch.Tensor] = {}
     for f in files:
         sd.update(load_file(f))
+    if cfg.moe is not None:
+        sd = experts.hf_expert_names(sd)
+    if cfg.architecture in ("gemma2", "gemma3"):  # the model's norms hold 1 + w; the file holds w
+        sd = norms_plus_one(sd)
+    if cfg.architecture == "phi3":  # fused qkv_proj and gate_up_proj as Llama's products
+        sd = families.split_fused(sd, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
     tok = _tokenizer(directory, tokenizer_path)
     return LoadedModel(cfg, sd, tok, f"hf:{os.path.abspath(directory)}")
 
