@@ -137,7 +137,7 @@ def read_config(directory: str) -> ModelConfig:
         if arch in MLA_ARCHS.values():
             fields.update(_deepseek_fields(c, arch, fields["num_hidden_layers"]))
         families.check_rope_scaling(path, arch, scaling)
-        fields.update(families.hf_fields(c, arch, fields["head_dim"] or fields["hidden_size"] // heads,
+        fields.update(families.hf_fields(c, arch, fields["head_dim"] or fields["hidden_size"] // max(heads, 1),  # heads < 1: ModelConfig names it
                                          fields["num_hidden_layers"], scaling))
         return ModelConfig(**fields)
     except ModelLoadError:
