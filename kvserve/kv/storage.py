@@ -28,6 +28,7 @@ group holding the block. The last block is the null block.
 
 from __future__ import annotations
 
+import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -536,7 +537,13 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    # A private anonymous mapping of its own, not calloc: a heap that malloc reuses (when it
+    # cannot map) would be cleared by writing, making every page resident at once.
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+                      prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_slots: int) -> torch.Tensor:
