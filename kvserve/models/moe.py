@@ -124,23 +124,35 @@ def make_experts(config: ModelConfig, moe: MoEConfig) -> nn.ModuleList:
     return nn.ModuleList(dense_mlp(config, moe.moe_intermediate_size) for _ in range(moe.num_experts))
 
 
-class SparseMoeBlock(DirectCall, nn.Module):
+class RoutedExpertsBlock(DirectCall, nn.Module):
+    """What every MoE MLP holds: the router (`gate`) and the routed experts (`experts`); the
+    families differ in the shared experts they add (subclasses)."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.moe = moe_of(config)
+        self.layer_idx = layer_idx
+        self.gate = Router(config.hidden_size, self.moe)
+        self.experts = make_experts(config, self.moe)
+
+    def routed(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] -> the routed experts' weighted sum [T, hidden]."""
+        weights, ids = self.gate.forward(x)
+        return grouped_experts(x, weights, ids, self.experts)
+
+
+class SparseMoeBlock(RoutedExpertsBlock):
     """Routed experts, plus a shared expert where the config has one (Qwen2-MoE: scaled by
     sigmoid(shared_expert_gate(x)) where moe.shared_expert_gate). See the module docstring."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        moe = moe_of(config)
-        self.layer_idx = layer_idx
-        self.gate = Router(config.hidden_size, moe)
-        self.experts = make_experts(config, moe)
-        shared = moe.shared_expert_intermediate_size
+        super().__init__(config, layer_idx)
+        shared = self.moe.shared_expert_intermediate_size
         self.shared_expert = dense_mlp(config, shared) if shared else None
-        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if moe.shared_expert_gate else None
+        self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False) if self.moe.shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate.forward(x)
-        out = grouped_experts(x, weights, ids, self.experts)
+        out = self.routed(x)
         if self.shared_expert is None:
             return out
         shared = self.shared_expert.forward(x)
@@ -149,23 +161,18 @@ class SparseMoeBlock(DirectCall, nn.Module):
         return out + shared
 
 
-class DeepseekMoeBlock(DirectCall, nn.Module):
+class DeepseekMoeBlock(RoutedExpertsBlock):
     """DeepSeek-V2/V3's MLP: routed experts (softmax or sigmoid, grouped top-k, scaled) plus
     `shared_experts`, one MLP of moe.shared_expert_intermediate_size every token passes through
     (none where that is 0). `DeepseekMoeBlock(config, layer_idx)`, config.moe set."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        moe = moe_of(config)
-        self.layer_idx = layer_idx
-        self.gate = Router(config.hidden_size, moe)
-        self.experts = make_experts(config, moe)
-        shared = moe.shared_expert_intermediate_size
+        super().__init__(config, layer_idx)
+        shared = self.moe.shared_expert_intermediate_size
         self.shared_experts = dense_mlp(config, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate.forward(x)
-        out = grouped_experts(x, weights, ids, self.experts)
+        out = self.routed(x)
         return out if self.shared_experts is None else out + self.shared_experts.forward(x)
 
 
