@@ -41,13 +41,19 @@ def family(request, tmp_path_factory):
     """(name, the transformers model, kvserve's load of its saved directory)."""
     from kvserve.models.registry import load_weights
     path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().eval()
-    with torch.no_grad():  # norms and embeddings away from their initial values: make them count
-        for name, p in hf.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    hf.save_pretrained(path, safe_serialization=True)
+    hf = save_family(request.param, path)
     return request.param, hf, load_weights(str(path))
+
+
+def save_family(name, path):
+    """The family's tiny random transformers model, saved to path (safetensors, fp32)."""
+    torch.manual_seed(0)
+    hf = FAMILIES[name]().eval()
+    with torch.no_grad():  # norms and embeddings away from their initial values: make them count
+        for pname, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in pname else 0.05))
+    hf.save_pretrained(path, safe_serialization=True)
+    return hf
 
 
 def reference(hf, seq):

@@ -17,7 +17,7 @@ import torch
 from tests.conftest import greedy, make_engine, random_llama, run_collecting_logits
 from tests.distributed.conftest import no_process_left  # noqa: F401 - stops what a failed test left running
 from tests.engine.test_beam_search import assert_like_hf, beam_params, hf_beams, run_beams
-from tests.models.test_dense_families import FAMILIES
+from tests.models.test_dense_families import FAMILIES, prompt, save_family
 
 transformers = pytest.importorskip("transformers")
 
@@ -32,17 +32,8 @@ def family(request, tmp_path_factory):
     """(name, the transformers model, kvserve's load, the saved directory)."""
     from kvserve.models.registry import load_weights
     path = tmp_path_factory.mktemp(request.param)
-    torch.manual_seed(0)
-    hf = FAMILIES[request.param]().eval()
-    with torch.no_grad():  # norms and embeddings away from their initial values: make them count
-        for name, p in hf.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.05))
-    hf.save_pretrained(path, safe_serialization=True)
+    hf = save_family(request.param, path)
     return request.param, hf, load_weights(str(path)), str(path)
-
-
-def prompt(n, seed):
-    return torch.randint(0, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(engine, prompts, max_tokens=8):
