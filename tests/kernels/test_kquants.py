@@ -8,7 +8,10 @@ always; AVX2, AVX-512 and AVX-512 VNNI where present):
   shapes and 1, 2, 7, 33 and 200 rows;
 - int8-activation products (x rounded per block of the weight's size: 256 for K-quants, as
   llama.cpp's Q8_K; 32 for the others) equal `linear_int8_reference` within fp32 summation
-  error, and are within half a step of each activation of the exact product;
+  error, and are within half a step of each activation of the exact product, for even and odd
+  block counts (the vector paths take 32-weight blocks in pairs);
+- each output of an int8 product is the same bits whichever tile of rows of x and W it is
+  computed in, and on 1 thread or 2 (a row of x alone, a row of W alone, the whole product);
 - Q5_0 / Q5_1 quantize as the gguf package does; the rest are refused naming the type;
 - a published Q4_K_M file's own Q4_K, Q6_K and Q5_0 bytes dequantize bit-equal on every path."""
 
@@ -26,9 +29,10 @@ ROWS = (1, 2, 7, 33, 200)
 
 
 def shapes(name):
-    """Odd row counts; K of one block and of several."""
+    """Odd row counts; K of one block and of several (for 32-weight blocks an even count too)."""
     block = FORMATS[name].block
-    return [(1, block), (37, 3 * block), (19, 2 * block + (0 if block == 256 else 5 * block))]
+    extra = [(6, 20 * block)] if block == 32 else []
+    return [(1, block), (37, 3 * block), (19, 2 * block + (0 if block == 256 else 5 * block))] + extra
 
 
 def gguf_reference(p):
@@ -107,6 +111,30 @@ def test_int8_products_equal_the_reference(isa, name):
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", KQUANT_FORMATS)
+def test_int8_products_are_the_same_bits_in_any_tile(isa, name):
+    """Rows of x and of W are taken in tiles (and W's rows split over threads): an output is
+    computed the same way wherever its rows fall, so it is the same bits."""
+    kernel = compiled_kernel("linear_kquant", isa)
+    n, k = 11, 2 * FORMATS[name].block * (1 if FORMATS[name].block == 256 else 5)
+    p = random_packed(n, k, name, seed=7)
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(8))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        y = kernel.linear_q8(x, p.data, p.fmt.ggml_type, k, None)
+        torch.set_num_threads(2)
+        assert torch.equal(kernel.linear_q8(x, p.data, p.fmt.ggml_type, k, None), y)
+    finally:
+        torch.set_num_threads(threads)
+    for m in range(x.shape[0]):
+        assert torch.equal(kernel.linear_q8(x[m:m + 1], p.data, p.fmt.ggml_type, k, None), y[m:m + 1]), m
+    for r in range(n):
+        row = p.data[r:r + 1].contiguous()
+        assert torch.equal(kernel.linear_q8(x, row, p.fmt.ggml_type, k, None), y[:, r:r + 1]), r
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_bad_operands_are_refused_naming_the_problem(isa):
     kernel = compiled_kernel("linear_kquant", isa)
     p = random_packed(4, 256, "q4_k")
@@ -160,3 +188,28 @@ def test_a_published_q4_k_m_files_own_bytes(gemma_q4_k_m):
             got = compiled_kernel("linear_kquant", isa).dequantize(raw.contiguous(), fmt.ggml_type, k)
             assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (t.name, isa)
     assert seen == {"q4_k": 2, "q6_k": 2, "q5_0": 2}
+
+
+def test_a_published_q4_k_m_files_int8_products(gemma_q4_k_m):
+    """Gemma-3-270M's own Q4_K, Q6_K and Q5_0 matrices (the first 48 rows of one tensor of each
+    type) times activations in int8, on every built level, equal `linear_int8_reference`."""
+    from kvserve.models.loaders.gguf_file import GGUFFile
+    from kvserve.models.packed import BY_GGML_TYPE, PackedWeight
+    f = GGUFFile(gemma_q4_k_m)
+    g = torch.Generator().manual_seed(9)
+    seen = set()
+    for t in f.tensors:
+        fmt = BY_GGML_TYPE.get(t.ggml_type)
+        if fmt is None or fmt.kernel != "linear_kquant" or fmt.name in seen:
+            continue
+        seen.add(fmt.name)
+        n, k = t.shape
+        raw = torch.frombuffer(bytearray(f.data[t.offset:t.offset + t.nbytes]), dtype=torch.uint8).reshape(n, -1)[:48]
+        p = PackedWeight(fmt, raw.contiguous(), (48, k))
+        w = dequantize_torch(p.data, fmt, k).double()
+        x = torch.randn(5, k, generator=g)
+        ref = linear_int8_reference(x, p)
+        for isa in ISAS:
+            y = compiled_kernel("linear_kquant", isa).linear_q8(x, p.data, fmt.ggml_type, k, None).double()
+            assert ((y - ref).abs() <= summation_bound(x, w, k) * 4 + ref.abs() * 2 ** -21).all(), (t.name, isa)
+    assert seen == {"q4_k", "q6_k", "q5_0"}

@@ -23,13 +23,15 @@
 //                 with every row of x (1 to hundreds), so the weights are read once a call.
 //   linear_q8     x quantized per block of the weight's size (256 for K-quants, as llama.cpp's
 //                 Q8_K; 32 for the others, as its Q8_0): dx = max|x| / 127, xq = round(x / dx),
-//                 and the sums of xq per four; a block then contributes
+//                 and the sums of xq per sixteen; a block then contributes
 //                   dx * (sum_g scale[g] * S[g] + sum_g offset[g] * sum(xq in g)),  S[g] = sum q xq
 //                 with S exact in int32. kvserve.models.packed.linear_int8_reference is the same
 //                 in torch.
 // Paths: AVX-512 (VNNI's vpdpbusd where built with it, else vpmaddubsw), AVX2 and a portable
-// loop, for the fp32 products and the byte dot products. Q4_K, Q6_K and Q5_0 decode in registers
-// (see "decoded in registers" below); the other types' decoding is plain C++ into a buffer. setup.py builds this file once per level; `isa()` names the build.
+// loop. linear_q8 decodes every type's blocks in registers on the vector paths, a tile of W rows
+// against a tile of x rows at a time ("int8 activations, vector builds" below); linear_quant does
+// so for Q4_K, Q6_K and Q5_0 and decodes the other types in plain C++ into a buffer.
+// setup.py builds this file once per level; `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <ATen/Parallel.h>
@@ -38,6 +40,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -262,11 +265,6 @@ inline void expand(const Decoded& d, float* w) {
 // unsigned form is at most 63, so 2 * 63 * 127 stays within int16) and vpmaddwd. IQ4_NL's q are
 // signed (to -127): |q| meets x with q's sign.
 
-// The unsigned form of q the byte products take: q + bias (Q5_0 16, Q6_K 32, Q3_K 4; a power of
-// two, `shift` its log2); the lane's sum of x then corrects it: S = S(q + bias) - bias * sum(x).
-template <int FMT>
-constexpr int bias_shift() { return FMT == kQ5_0 ? 4 : FMT == kQ6_K ? 5 : FMT == kQ3_K ? 2 : -1; }
-
 #if defined(__AVX512F__) || defined(__AVX2__)
 #if defined(__AVX512F__)
 struct V {
@@ -445,120 +443,10 @@ void linear_fmt(const float* x, const uint8_t* w, const float* bias, float* y, i
   });
 }
 
-// ---- int8 activations ----
-
-// x [M, K] quantized per block of `values`: xq, dx (one a block), the sums of xq per lane of four
-// and per sixteen.
-struct QuantizedX {
-  std::vector<int8_t> xq;
-  std::vector<float> dx;
-  std::vector<int32_t> sums4;
-  std::vector<int16_t> sums16;  // llama.cpp's Q8_K bsums
-  int64_t M;
-  // Blocks are stored block-major (block j of every row, then block j + 1): the rows a block of W
-  // meets lie together, not K bytes apart (rows K apart fall in a few cache sets and evict each
-  // other). Row m's block j is block `at(m, j)`: its values at at * values, its dx at dx[at].
-  int64_t at(int64_t m, int64_t j) const { return j * M + m; }
-};
-
-QuantizedX quantize_x(const float* x, int64_t M, int64_t K, int64_t values) {
-  const int64_t nb = K / values;
-  QuantizedX q;
-  q.M = M;
-  q.xq.resize(M * K);
-  q.dx.resize(M * nb);
-  q.sums4.resize(M * K / 4);
-  q.sums16.resize(M * K / 16);
-  at::parallel_for(0, M * nb, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* xb = x + r * values;  // row r / nb's block r % nb
-      const int64_t i = q.at(r / nb, r % nb);
-      float amax = 0.f;
-      for (int64_t j = 0; j < values; ++j) amax = std::max(amax, std::fabs(xb[j]));
-      const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* qb = q.xq.data() + i * values;
-      for (int64_t j = 0; j < values; ++j) qb[j] = static_cast<int8_t>(std::nearbyint(xb[j] * inv));
-      q.dx[i] = d;
-      int32_t* s4 = q.sums4.data() + i * values / 4;
-      for (int64_t s = 0; s < values / 4; ++s) s4[s] = qb[4 * s] + qb[4 * s + 1] + qb[4 * s + 2] + qb[4 * s + 3];
-      for (int64_t s = 0; s < values / 16; ++s)
-        q.sums16[i * values / 16 + s] = static_cast<int16_t>(s4[4 * s] + s4[4 * s + 1] + s4[4 * s + 2] + s4[4 * s + 3]);
-    }
-  });
-  return q;
-}
-
-// A decoded block as the byte products take it: q (or q + bias) as bytes, and each lane's (four
-// weights') scale and offset.
-struct LaneBlock {
-  alignas(64) uint8_t q[kMaxValues];
-  alignas(64) float scale[kMaxValues / 4], offset[kMaxValues / 4];
-};
-
-template <int FMT>
-inline void to_lanes(const Decoded& d, LaneBlock& out) {
-  constexpr Layout L = layout<FMT>();
-  constexpr int bias = bias_shift<FMT>() < 0 ? 0 : 1 << bias_shift<FMT>();
-  for (int64_t i = 0; i < L.values; ++i) out.q[i] = static_cast<uint8_t>(d.q[i] + bias);
-  for (int64_t l = 0; l < L.values / 4; ++l) {
-    out.scale[l] = d.scale[4 * l / L.group];
-    out.offset[l] = d.offset[4 * l / L.group];
-  }
-}
-
-// One block of W against one quantized block of x, before dx: per lane
-// scale * S + offset * sum(x), S = sum(q x) (exact in int32).
-#if defined(__AVX512F__) || defined(__AVX2__)
-template <int FMT>
-inline V::F block_q8(const LaneBlock& b, const int8_t* xq, const int32_t* sums4) {
-  constexpr Layout L = layout<FMT>();
-  constexpr int N = L.values < V::kBytes ? static_cast<int>(L.values) : V::kBytes;  // bytes a step
-  V::F t = V::zerof();
-  for (int v = 0; v < L.values / N; ++v) {
-    const V::I x = V::bytes<N>(xq + v * N), q = V::bytes<N>(b.q + v * N);
-    V::I s = FMT == kIQ4_NL ? V::dot_s8(q, x) : V::dot_u8(q, x);
-    if constexpr (bias_shift<FMT>() >= 0 || has_offset<FMT>()) {
-      const V::I xs = V::lanesi<N>(sums4 + v * N / 4);
-      if constexpr (bias_shift<FMT>() >= 0) s = V::sub_shifted(s, xs, bias_shift<FMT>());
-      if constexpr (has_offset<FMT>()) t = V::fma(V::tofloat(xs), V::lanesf<N>(b.offset + v * N / 4), t);
-    }
-    t = V::fma(V::tofloat(s), V::lanesf<N>(b.scale + v * N / 4), t);
-  }
-  return t;
-}
-#else
-template <int FMT>
-inline float block_q8(const LaneBlock& b, const int8_t* xq, const int32_t* sums4) {
-  constexpr Layout L = layout<FMT>();
-  constexpr int bias = bias_shift<FMT>() < 0 ? 0 : 1 << bias_shift<FMT>();
-  float s = 0.f;
-  for (int64_t l = 0; l < L.values / 4; ++l) {
-    int32_t S = 0;
-    for (int t = 0; t < 4; ++t) {
-      const int32_t q = FMT == kIQ4_NL ? static_cast<int8_t>(b.q[4 * l + t]) : b.q[4 * l + t];
-      S += q * xq[4 * l + t];
-    }
-    S -= bias * sums4[l];
-    s += static_cast<float>(S) * b.scale[l];
-    if constexpr (has_offset<FMT>()) s += b.offset[l] * static_cast<float>(sums4[l]);
-  }
-  return s;
-}
-#endif
-
-// ---- int8 activations, decoded in registers (Q4_K, Q6_K, Q5_0: a Q4_K_M file's types) ----
+// ---- blocks decoded in registers: helpers ----
 //
-// As llama.cpp's ggml_vec_dot_q4_K_q8_K / q6_K_q8_K / q5_0_q8_0: each block of W is unpacked in
-// 256-bit registers (nibbles, high bits, 6-bit scales), never stored, and met with every row of x
-// before the next block is read, so W's bytes are read once a call for all rows. Per sub-block
-// the byte products are multiplied by its integer scale in int32 (exact), and a block adds
-//   d * dx * sum_g sc[g] * S[g]  -  dmin * dx * sum_g m[g] * sum(x in g)        (Q4_K)
-//   d * dx * (sum_g sc[g] * S'[g] - 32 * sum_g sc[g] * sum(x in g))              (Q6_K, q + 32)
-//   d * dx * S                                                                  (Q5_0, q signed)
-// to fp32 lanes, with the sums of x per sixteen (QuantizedX::sums16) for the min and bias terms.
-// The scaled sub-blocks take vpmaddubsw then vpmaddwd with the scale on every level (q at most 63
-// unsigned, so pairs of products stay within int16); Q5_0's unscaled blocks take vpdpbusd where
-// AVX-512 VNNI is built.
+// Q4_K, Q6_K and Q5_0 (a Q4_K_M file's types) decode straight into 256-bit registers for the fp32
+// products; every type does for the int8 ones (below).
 #if defined(__AVX2__)
 template <int FMT>
 constexpr bool in_registers() { return FMT == kQ4_K || FMT == kQ6_K || FMT == kQ5_0; }
@@ -585,38 +473,12 @@ inline I lane_scales(I both, int lo, int hi) {
 
 inline I both_halves(__m128i v) { return _mm256_broadcastsi128_si256(v); }
 
-// Per int32 lane: scale * (the sum of four products u [0, 63] x x [-127, 127]). vpmaddubsw's pairs
-// stay within int16 (2 * 63 * 127), and vpmaddwd applies the scale as it widens: two instructions,
-// where VNNI's vpdpbusd would need a vpmulld (two more micro-ops) for the scale.
-inline I scaled_dot(I u, I x, I scale) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), scale); }
-
-// Per int32 lane: the sum of four products q x x, q signed (|q| <= 16): |q| meets x with q's sign.
-inline I signed_dot(I q, I x) {
-  const I u = _mm256_sign_epi8(q, q), xs = _mm256_sign_epi8(x, q);
-#if defined(__AVX512VNNI__)
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, xs);
-#else
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, xs), _mm256_set1_epi16(1));
-#endif
-}
-
 inline float sum(F v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-
-inline F scaled(float d, I s, F acc) { return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(s), acc); }
-
-// Block j of every row of x.
-struct Rows {
-  const QuantizedX& q;
-  int64_t M, values, j;
-  const int8_t* xq(int64_t m) const { return q.xq.data() + q.at(m, j) * values; }
-  const int16_t* sums16(int64_t m) const { return q.sums16.data() + q.at(m, j) * values / 16; }
-  float dx(int64_t m) const { return q.dx[q.at(m, j)]; }
-};
 
 // Q4_K's twelve bytes of 6-bit scales and minimums, four at a time (scale_min_k4's layout):
 // sc[0..4) and m[0..4) are the low six bits of bytes 0..3 and 4..7; sc[4..8) and m[4..8) the
@@ -642,29 +504,6 @@ inline void q4_k_bytes(const uint8_t* b, I q[8]) {
   }
 }
 
-inline void q4_k_block(const uint8_t* b, const Rows& r, F* acc) {
-  uint32_t sc[2], mn[2];
-  k4_scales_packed(b + 4, sc, mn);
-  const uint8_t* s = reinterpret_cast<const uint8_t*>(sc);
-  const float d = half(b), dmin = half(b + 2);
-  I q[8];
-  q4_k_bytes(b, q);
-  // each sub-block's minimum twice, against the sums of x per sixteen
-  const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
-  const I mins = _mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16));
-  const I sc16 = both_halves(_mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(s))));
-  I scale[8];
-  for (int g = 0; g < 8; ++g) scale[g] = lane_scales(sc16, g, g);
-  for (int64_t m = 0; m < r.M; ++m) {
-    const int8_t* x = r.xq(m);
-    I t = _mm256_setzero_si256();
-    for (int g = 0; g < 8; ++g) t = _mm256_add_epi32(t, scaled_dot(q[g], bytes(x + 32 * g), scale[g]));
-    const I xm = _mm256_madd_epi16(mins, bytes(r.sums16(m)));
-    const float dx = r.dx(m);
-    acc[m] = scaled(-(dmin * dx), xm, scaled(d * dx, t, acc[m]));
-  }
-}
-
 // Q6_K: weight 128h + 32t + l is nibble t / 2 of ql[64h + 32 (t % 2) + l] with bits 2t..2t+1 of
 // qh[32h + l] above it, minus 32; its group of sixteen is 8h + 2t + l / 16.
 // q[v]: weights 32v..32v + 31 plus 32 (0..63).
@@ -680,77 +519,42 @@ inline void q6_k_bytes(const uint8_t* b, I q[8]) {
   }
 }
 
-inline void q6_k_block(const uint8_t* b, const Rows& r, F* acc) {
-  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = half(b + 208);
-  I q[8];
-  q6_k_bytes(b, q);
-  const I scales16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sc)));
-  const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sc));
-  const I low = both_halves(_mm_cvtepi8_epi16(sc8)), high = both_halves(_mm_cvtepi8_epi16(_mm_srli_si128(sc8, 8)));
-  I scale[8];
-  for (int v = 0; v < 8; ++v) scale[v] = lane_scales(v < 4 ? low : high, 2 * (v % 4), 2 * (v % 4) + 1);
-  for (int64_t m = 0; m < r.M; ++m) {
-    const int8_t* x = r.xq(m);
-    I t = _mm256_setzero_si256();
-    for (int v = 0; v < 8; ++v) t = _mm256_add_epi32(t, scaled_dot(q[v], bytes(x + 32 * v), scale[v]));
-    const I bias = _mm256_madd_epi16(scales16, bytes(r.sums16(m)));  // sum_g sc[g] * sum(x in g)
-    acc[m] = scaled(d * r.dx(m), _mm256_sub_epi32(t, _mm256_slli_epi32(bias, 5)), acc[m]);
-  }
+// A 32-weight block's sixteen bytes of nibbles as 32 bytes: byte j the low nibble of qs[j], byte
+// 16 + j the high one.
+inline I nibbles(const uint8_t* qs) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(15));
+}
+
+// Byte j: where bit j of qh (four bytes) is set, `on`, else `off`.
+inline I by_bits(const uint8_t* qh_bytes, I on, I off) {
+  uint32_t qh;
+  std::memcpy(&qh, qh_bytes, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  return _mm256_mask_blend_epi8(static_cast<__mmask32>(qh), off, on);
+#else
+  // byte j: qh's byte j / 8 against bit j % 8
+  const I spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
+                                       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                         0x0101010101010101, 0x0000000000000000));
+  const I bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_blendv_epi8(off, on, _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit));
+#endif
 }
 
 // Q5_0 as signed bytes: the low four bits in nibble j % 16 of qs, and where bit j of qh is clear,
 // minus 16 (the byte's top four bits set).
 inline I q5_0_signed(const uint8_t* b) {
-  uint32_t qh;
-  std::memcpy(&qh, b + 2, 4);
-  const __m128i qs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 6));
-  const I low = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(qs, 4), qs), _mm256_set1_epi8(15));
-  const I top = _mm256_set1_epi8(static_cast<char>(0xF0));
-#if defined(__AVX512BW__) && defined(__AVX512VL__)
-  return _mm256_mask_blend_epi8(static_cast<__mmask32>(~qh), low, _mm256_or_si256(low, top));
-#else
-  // byte j: qh's byte j / 8 against bit j % 8, set where the bit is
-  const I spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(qh)),
-                                       _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                         0x0101010101010101, 0x0000000000000000));
-  const I bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
-  const I set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
-  return _mm256_or_si256(low, _mm256_andnot_si256(set, top));
-#endif
+  const I low = nibbles(b + 6);
+  return by_bits(b + 2, low, _mm256_or_si256(low, _mm256_set1_epi8(static_cast<char>(0xF0))));
 }
 
-inline void q5_0_block(const uint8_t* b, const Rows& r, F* acc) {
-  const I q = q5_0_signed(b);
-  const float d = half(b);
-  for (int64_t m = 0; m < r.M; ++m) acc[m] = scaled(d * r.dx(m), signed_dot(q, bytes(r.xq(m))), acc[m]);
-}
-
-template <int FMT>
-inline void block(const uint8_t* b, const Rows& r, F* acc) {
-  if constexpr (FMT == kQ4_K) q4_k_block(b, r, acc);
-  else if constexpr (FMT == kQ6_K) q6_k_block(b, r, acc);
-  else q5_0_block(b, r, acc);
+// Q5_1's q (0..31): the low four bits as Q5_0's, plus 16 where bit j of qh is set.
+inline I five_bits_unsigned(const uint8_t* qh, const uint8_t* qs) {
+  const I low = nibbles(qs);
+  return by_bits(qh, _mm256_or_si256(low, _mm256_set1_epi8(16)), low);
 }
 }  // namespace reg
-
-// Rows of W in the outer loop: each block is decoded once and met with every row of x.
-template <int FMT>
-void linear_q8_registers(const QuantizedX& q, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
-                         int64_t K) {
-  constexpr Layout L = layout<FMT>();
-  const int64_t nb = K / L.values;
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    std::vector<reg::F> acc(M);
-    for (int64_t n = begin; n < end; ++n) {
-      std::fill(acc.begin(), acc.end(), _mm256_setzero_ps());
-      for (int64_t j = 0; j < nb; ++j)
-        reg::block<FMT>(w + (n * nb + j) * L.bytes, reg::Rows{q, M, L.values, j}, acc.data());
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m) y[m * N + n] = reg::sum(acc[m]) + b;
-    }
-  });
-}
 
 // ---- fp32 activations, decoded in registers (Q4_K, Q6_K, Q5_0) ----
 //
@@ -816,8 +620,6 @@ void linear_fp32_registers(const float* x, const uint8_t* w, const float* bias, 
 #else
 template <int FMT>
 constexpr bool in_registers() { return false; }
-template <int FMT>
-void linear_q8_registers(const QuantizedX&, const uint8_t*, const float*, float*, int64_t, int64_t, int64_t) {}
 #endif
 
 // Every row of x against W: in registers for the types that have that path, else block by block.
@@ -829,44 +631,687 @@ void linear_fp32(const float* x, const uint8_t* w, const float* bias, float* y, 
   linear_fmt<FMT>(x, w, bias, y, M, N, K);
 }
 
+// ---- int8 activations ----
+//
+// x [M, K] is quantized once a call, per block of the weight's size (llama.cpp's Q8_K for the
+// K-quants, its Q8_0 for the 32-weight types): dx = max|x| / 127, xq = round(x / dx) (nearest
+// even, as torch.round), and the sums of xq per sixteen (Q8_K's bsums). Blocks are stored
+// block-major (block j of every row, then block j + 1): the rows a block of W meets lie together,
+// not K bytes apart. A vector build stores each block's values in the order its weight vectors
+// come out of GGUF's bytes (`Placement`), so one load of x meets one decoded vector of W, and
+// keeps beside them what a block's fp32 step reads ready-made: the sums times dx (K-quants), and
+// AVX-512's vectors of dx (and its other terms) for pairs of 32-weight blocks.
+struct QuantizedX {
+  int64_t M = 0, values = 0;
+  std::unique_ptr<int8_t[]> xq;      // [steps][M][step values]
+  std::unique_ptr<int16_t[]> sums;   // [nb][M][values / 16]
+  std::unique_ptr<float[]> dx, sx;   // [nb][M]: dx, and dx * sum(xq)
+  std::unique_ptr<float[]> lanes;    // [steps][M][kLaneTerms][16]: per-lane terms (see users)
+  int64_t at(int64_t m, int64_t j) const { return j * M + m; }
+  const int16_t* bsums(int64_t m, int64_t j) const { return sums.get() + at(m, j) * (values / 16); }
+};
+
+// Where x's values land: a 256-weight block whole (its 32-byte chunks reordered on AVX-512), or,
+// on AVX-512, 32-weight blocks in pairs: [block 2p's 0..15, 2p + 1's 0..15, 2p's 16..31, 2p + 1's
+// 16..31], the order a pair's nibbles come out of one 256-bit load and a shift.
 template <int FMT>
-void linear_q8_fmt(const QuantizedX& q, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N,
-                   int64_t K) {
-  if constexpr (in_registers<FMT>()) return linear_q8_registers<FMT>(q, w, bias, y, M, N, K);
-  constexpr Layout L = layout<FMT>();
-  const int64_t nb = K / L.values;
-  at::parallel_for(0, N, 8, [&](int64_t begin, int64_t end) {
-    Decoded d;
-    LaneBlock lanes;
-#if defined(__AVX512F__) || defined(__AVX2__)
-    std::vector<V::F> acc(M);
+struct Placement {
+  static constexpr int64_t kValues = layout<FMT>().values;
+#if defined(__AVX512F__)
+  static constexpr bool kPairs = kValues == 32;
 #else
-    std::vector<float> acc(M);
+  static constexpr bool kPairs = false;
 #endif
-    for (int64_t n = begin; n < end; ++n) {
-      std::fill(acc.begin(), acc.end(), decltype(acc)::value_type{});
-      for (int64_t j = 0; j < nb; ++j) {
-        decode<FMT>(w + (n * nb + j) * L.bytes, d);
-        to_lanes<FMT>(d, lanes);
-        for (int64_t m = 0; m < M; ++m) {
-          const int64_t at = q.at(m, j) * L.values;
-#if defined(__AVX512F__) || defined(__AVX2__)
-          acc[m] = V::fma(block_q8<FMT>(lanes, q.xq.data() + at, q.sums4.data() + at / 4), V::set1f(q.dx[q.at(m, j)]), acc[m]);
+  static constexpr int64_t kStepValues = kPairs ? 64 : kValues;
+  static int64_t steps(int64_t nb) { return kPairs ? (nb + 1) / 2 : nb; }
+  // Where natural chunk c (x's values 32c..32c + 31) of a 256-weight block goes. AVX-512's weight
+  // vectors hold two chunks that are not neighbours: Q4_K / Q5_K's low nibbles of qs[64p..64p + 63]
+  // are sub-blocks 4p and 4p + 2; Q2_K / Q3_K's bits 2t of all 64 qs bytes are chunks t and 4 + t.
+  static constexpr int chunk_at(int c) {
+#if defined(__AVX512F__)
+    constexpr int k4[8] = {0, 2, 1, 3, 4, 6, 5, 7}, k2[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+    if (FMT == kQ4_K || FMT == kQ5_K) return k4[c];
+    if (FMT == kQ2_K || FMT == kQ3_K) return k2[c];
+#endif
+    return c;
+  }
+  // The byte offset of values 16s..16s + 15 of row m's block j.
+  static int64_t offset(int64_t M, int64_t m, int64_t j, int s) {
+    if constexpr (kPairs) return ((j / 2) * M + m) * 64 + 32 * s + 16 * (j % 2);
+    return (j * M + m) * kValues + 32 * chunk_at(s / 2) + 16 * (s % 2);
+  }
+};
+
+inline float abs_max(const float* x, int64_t n) {
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  return _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
 #else
-          acc[m] += q.dx[q.at(m, j)] * block_q8<FMT>(lanes, q.xq.data() + at, q.sums4.data() + at / 4);
+  float m = 0.f;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
 #endif
-        }
+}
+
+// Sixteen values of x times inv, rounded to the nearest (even) int8 into q; returns their sum.
+inline int32_t round16(const float* x, float inv, int8_t* q) {
+#if defined(__AVX512F__)
+  const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), _mm512_set1_ps(inv)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(v));
+  return _mm512_reduce_add_epi32(v);
+#elif defined(__AVX2__)
+  const __m256 s = _mm256_set1_ps(inv);
+  const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), s));
+  const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), s));
+  // packs work within 128-bit halves (0..3 8..11 | 4..7 12..15): put them back in order
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  const __m256i ab = _mm256_add_epi32(a, b);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(ab), _mm256_extracti128_si256(ab, 1));
+  t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 1)));
+#else
+  int32_t sum = 0;
+  for (int i = 0; i < 16; ++i) {
+    q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+    sum += q[i];
+  }
+  return sum;
+#endif
+}
+
+// The per-lane terms a step of the vector products reads (QuantizedX::lanes), 16 floats each:
+//   K-quants           dx * sums per sixteen (x's order)
+//   AVX-512 pairs      dx per int32 lane; for Q5_0 -16 * (the lane's four xq) as int32; for Q5_1
+//                      dx * sum(xq) / 8 (eight lanes a block)
+template <int FMT>
+constexpr int lane_terms() {
+  if constexpr (!Placement<FMT>::kPairs) return layout<FMT>().values == 256 ? 1 : 0;
+  else return FMT == kIQ4_NL ? 1 : 2;
+}
+
+// Row m's lane terms of a pair of 32-weight blocks (2p, 2p + 1; the second absent: zero).
+template <int FMT>
+void pair_terms(QuantizedX& q, int64_t m, int64_t p) {
+  float* t = q.lanes.get() + (p * q.M + m) * lane_terms<FMT>() * 16;
+  const int8_t* xq = q.xq.get() + (p * q.M + m) * 64;
+  for (int l = 0; l < 16; ++l) {
+    const int64_t j = q.at(m, 2 * p + (l / 4) % 2);  // lanes 4..7 and 12..15: block 2p + 1
+    t[l] = q.dx[j];
+    if constexpr (FMT == kQ5_0) {
+      const int32_t s = -16 * (xq[4 * l] + xq[4 * l + 1] + xq[4 * l + 2] + xq[4 * l + 3]);
+      std::memcpy(t + 16 + l, &s, 4);
+    } else if constexpr (FMT == kQ5_1) {
+      t[16 + l] = q.sx[j] * 0.125f;  // exact: a power of two
+    }
+  }
+}
+
+template <int FMT>
+QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
+  using P = Placement<FMT>;
+  constexpr int64_t values = P::kValues;
+  const int64_t nb = K / values, steps = P::steps(nb), padded = steps * P::kStepValues / values;
+  QuantizedX q;
+  q.M = M;
+  q.values = values;
+  q.xq.reset(new int8_t[M * steps * P::kStepValues]);
+  q.sums.reset(new int16_t[M * padded * values / 16]);
+  q.dx.reset(new float[M * padded]);
+  q.sx.reset(new float[M * padded]);
+  if constexpr (lane_terms<FMT>() > 0) q.lanes.reset(new float[M * steps * lane_terms<FMT>() * 16]);
+  at::parallel_for(0, M * padded, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t m = r / padded, j = r % padded, i = q.at(m, j);
+      int16_t* sums = q.sums.get() + i * (values / 16);
+      if (j >= nb) {  // the pair's absent block: zero
+        for (int s = 0; s < values / 16; ++s) std::memset(q.xq.get() + P::offset(M, m, j, s), 0, 16);
+        q.dx[i] = q.sx[i] = 0.f;
+        continue;
       }
-      const float b = bias ? bias[n] : 0.f;
-      for (int64_t m = 0; m < M; ++m) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-        y[m * N + n] = V::sum(acc[m]) + b;
-#else
-        y[m * N + n] = acc[m] + b;
-#endif
+      const float* xb = x + m * K + j * values;
+      const float d = abs_max(xb, values) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int32_t total = 0;
+      for (int s = 0; s < values / 16; ++s) {
+        sums[s] = static_cast<int16_t>(round16(xb + 16 * s, inv, q.xq.get() + P::offset(M, m, j, s)));
+        total += sums[s];
       }
+      q.dx[i] = d;
+      q.sx[i] = d * static_cast<float>(total);
+      if constexpr (values == 256 && lane_terms<FMT>() > 0)
+        for (int s = 0; s < 16; ++s) q.lanes[i * 16 + s] = d * static_cast<float>(sums[s]);
     }
   });
+  if constexpr (P::kPairs)
+    at::parallel_for(0, M * steps, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) pair_terms<FMT>(q, r % M, r / M);
+    });
+  return q;
+}
+
+// The operands of one product, and where its results go.
+struct Operands {
+  const QuantizedX& x;
+  const uint8_t* w;
+  const float* bias;
+  float* y;
+  int64_t M, N, nb, row_bytes;
+  void store(int64_t m, int64_t n, float v) const { y[m * N + n] = v + (bias ? bias[n] : 0.f); }
+};
+
+#if defined(__AVX2__)
+// ---- int8 activations, vector builds: blocks decoded in registers ----
+//
+// As llama.cpp's ggml_vec_dot_*_q8_K / *_q8_0: each block of W is unpacked in registers (bits,
+// nibbles, scales), never stored, and met with a tile of rows of x. A 256-weight block becomes
+// unsigned bytes u (q, or q plus a bias: Q6_K 32, Q3_K 4) and, per 16 weights, an int16 scale;
+// vpmaddubsw takes u x xq in pairs (u <= 63: 2 * 63 * 127 stays within int16) and vpmaddwd applies
+// the scale as it widens to int32, exact. A block then adds, in fp32,
+//   d dx sum_g sc[g] S[g]  +  sum_g (c k[g]) (dx sum(xq in g))
+// the second term one multiply-add of 16 lanes: the minimums (Q2_K, Q4_K, Q5_K: c = -dmin,
+// k = m) or the bias (Q6_K, Q3_K: c = d, k = -bias sc), against dx times the bsums (kept with x).
+// The 32-weight types take one vector a block on AVX2 and two blocks a vector on AVX-512, q
+// signed (|q| meets x with q's sign) or, for Q5_0 and Q5_1 on AVX-512, unsigned (Q5_0's q + 16,
+// its -16 sum(xq) per lane kept with x); Q5_1 adds m dx sum(xq). Byte products sum by vpdpbusd
+// where AVX-512 VNNI is built.
+namespace kv {
+#if defined(__AVX512F__)
+using I = __m512i;
+using F = __m512;
+constexpr int kBytes = 64, kVectors = 4, kFloatVectors = 1;  // vectors a 256-weight block, a sixteen of floats
+inline I load(const void* p) { return _mm512_loadu_si512(p); }
+inline F loadf(const float* p) { return _mm512_loadu_ps(p); }
+inline I set1(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+inline I and_(I a, I b) { return _mm512_and_si512(a, b); }
+inline I or_(I a, I b) { return _mm512_or_si512(a, b); }
+inline I srli(I a, int s) { return _mm512_srli_epi16(a, s); }
+inline I slli(I a, int s) { return _mm512_slli_epi16(a, s); }
+inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
+inline I join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+// The int16 scale of each 16 bytes of a vector: table[g0], table[g1], table[g2], table[g3].
+inline I scales(__m256i table, int g0, int g1, int g2, int g3) {
+  const __m256i lo = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(g1)), _mm_set1_epi16(static_cast<int16_t>(g0)));
+  const __m256i hi = _mm256_set_m128i(_mm_set1_epi16(static_cast<int16_t>(g3)), _mm_set1_epi16(static_cast<int16_t>(g2)));
+  return _mm512_permutexvar_epi16(join(lo, hi), _mm512_castsi256_si512(table));
+}
+// Sixteen int16 as fp32 times c.
+inline void times(__m256i k, float c, F* out) { out[0] = _mm512_mul_ps(_mm512_set1_ps(c), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(k))); }
+inline I dot_scaled(I u, I x, I s) { return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), s); }
+inline F zerof() { return _mm512_setzero_ps(); }
+inline F fma(I s, float f, F acc) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), _mm512_set1_ps(f), acc); }
+inline F fmaf(F a, F b, F acc) { return _mm512_fmadd_ps(a, b, acc); }
+inline float sum(F v) { return _mm512_reduce_add_ps(v); }
+constexpr int kRows = 4;  // rows of W a tile (32 registers: 4 x 4 accumulators)
+#else
+using I = __m256i;
+using F = __m256;
+constexpr int kBytes = 32, kVectors = 8, kFloatVectors = 2;
+inline I load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const I*>(p)); }
+inline F loadf(const float* p) { return _mm256_loadu_ps(p); }
+inline I set1(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+inline I and_(I a, I b) { return _mm256_and_si256(a, b); }
+inline I or_(I a, I b) { return _mm256_or_si256(a, b); }
+inline I srli(I a, int s) { return _mm256_srli_epi16(a, s); }
+inline I slli(I a, int s) { return _mm256_slli_epi16(a, s); }
+inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
+// As AVX-512's, for a vector whose halves each hold one group: g0 == g1, g2 == g3, within one
+// eight of the table.
+inline I scales(__m256i table, int g0, int, int g2, int) {
+  const I half = reg::both_halves(g0 < 8 ? _mm256_castsi256_si128(table) : _mm256_extracti128_si256(table, 1));
+  return reg::lane_scales(half, g0 % 8, g2 % 8);
+}
+inline void times(__m256i k, float c, F* out) {
+  const F cv = _mm256_set1_ps(c);
+  out[0] = _mm256_mul_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(k))));
+  out[1] = _mm256_mul_ps(cv, _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(k, 1))));
+}
+inline I dot_scaled(I u, I x, I s) { return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), s); }
+inline F zerof() { return _mm256_setzero_ps(); }
+inline F fma(I s, float f, F acc) { return _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(f), acc); }
+inline F fmaf(F a, F b, F acc) { return _mm256_fmadd_ps(a, b, acc); }
+inline float sum(F v) { return reg::sum(v); }
+constexpr int kRows = 2;  // 16 registers
+#endif
+// Bit k of every byte of v, moved to bit `to` (the rest zero).
+inline I bit(I v, int k, int to) { return and_(k <= to ? slli(v, to - k) : srli(v, k - to), set1(1 << to)); }
+}  // namespace kv
+
+// An output's arithmetic is the same whichever tile computes it (tile<MR> is compiled once per
+// MR), so a row's result does not depend on the rows beside it. The build allows reassociating
+// plain float operations (-fassociative-math), which could differ between instantiations: a
+// product of two products is taken by an instruction the compiler keeps as written, and the
+// lanes are added up out of line, by one copy of the code.
+#if defined(__AVX512F__)
+inline __m512 exact_order_mul(__m512 a, __m512 b) { return _mm512_mul_round_ps(a, b, _MM_FROUND_CUR_DIRECTION); }
+#endif
+
+// A 256-weight block decoded: u and its scale per vector, d, and c k per sixteen in fp32.
+struct KBlock {
+  kv::I u[kv::kVectors];
+#if defined(__AVX512F__)
+  __m256i table;  // the sixteen (Q4_K, Q5_K: eight) int16 scales, GGUF's order
+  kv::F sc;       // sc per lane of the products' sums in fp32 (KQuant::product)
+#else
+  kv::I s[kv::kVectors];
+#endif
+  kv::F ck[kv::kFloatVectors];
+  float d;
+};
+
+// Q4_K and Q5_K: sub-block g (32 weights) is nibble g % 2 of qs[32 (g / 2) + l]; Q5_K's fifth
+// bit is bit g of qh[l]. Scales and minimums 6 bits each (k4_scales_packed).
+template <bool FIVE>
+inline void decode_k4_block(const uint8_t* b, KBlock& k) {
+  uint32_t sc[2], mn[2];
+  reg::k4_scales_packed(b + 4, sc, mn);
+  const __m128i s16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc)));
+  const __m128i m16 = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mn)));
+  kv::times(_mm256_set_m128i(_mm_unpackhi_epi16(m16, m16), _mm_unpacklo_epi16(m16, m16)), -reg::half(b + 2), k.ck);
+  k.d = reg::half(b);
+  const __m256i table = _mm256_castsi128_si256(s16);
+  const uint8_t* qs = b + (FIVE ? 48 : 16);
+  const kv::I low4 = kv::set1(15);
+#if defined(__AVX512F__)
+  // qs[64p..64p + 63]: low nibbles sub-blocks 4p and 4p + 2, high ones 4p + 1 and 4p + 3; Q5_K's
+  // fifth bits of the upper halves two bits up in qh
+  const __m256i qh = reg::bytes(b + 16);
+  const kv::I qh2 = kv::join(qh, _mm256_srli_epi16(qh, 2));
+  for (int p = 0; p < 2; ++p) {
+    const kv::I v = kv::load(qs + 64 * p);
+    k.u[2 * p] = kv::and_(v, low4);
+    k.u[2 * p + 1] = kv::and_(kv::srli(v, 4), low4);
+    if constexpr (FIVE) {
+      k.u[2 * p] = kv::or_(k.u[2 * p], kv::bit(qh2, 4 * p, 4));
+      k.u[2 * p + 1] = kv::or_(k.u[2 * p + 1], kv::bit(qh2, 4 * p + 1, 4));
+    }
+  }
+  k.table = table;
+#else
+  const kv::I qh = kv::load(b + 16);
+  for (int c = 0; c < 4; ++c) {
+    const kv::I v = kv::load(qs + 32 * c);
+    k.u[2 * c] = kv::and_(v, low4);
+    k.u[2 * c + 1] = kv::and_(kv::srli(v, 4), low4);
+    if constexpr (FIVE) {
+      k.u[2 * c] = kv::or_(k.u[2 * c], kv::bit(qh, 2 * c, 4));
+      k.u[2 * c + 1] = kv::or_(k.u[2 * c + 1], kv::bit(qh, 2 * c + 1, 4));
+    }
+    k.s[2 * c] = kv::scales(table, 2 * c, 2 * c, 2 * c, 2 * c);
+    k.s[2 * c + 1] = kv::scales(table, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1);
+  }
+#endif
+}
+
+// Q6_K: weight 128h + 32t + l is nibble t / 2 of ql[64h + 32 (t % 2) + l] with bits 2t..2t+1 of
+// qh[32h + l] above it; u = q + 32. Sixteen int8 scales, x's order.
+inline void decode_q6_k_block(const uint8_t* b, KBlock& k) {
+  const __m256i table = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192)));
+  k.d = reg::half(b + 208);
+  kv::times(_mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), table), 5), k.d, k.ck);  // -32 sc
+#if defined(__AVX512F__)
+  // ql[64h..64h + 63]: low nibbles weights 128h + 0..63, high ones 128h + 64..127 (x's order)
+  const kv::I low4 = kv::set1(15), high2 = kv::set1(0x30);
+  for (int h = 0; h < 2; ++h) {
+    const __m256i qh = reg::bytes(b + 128 + 32 * h);
+    const kv::I qh2 = kv::join(qh, _mm256_srli_epi16(qh, 2)), ql = kv::load(b + 64 * h);
+    k.u[2 * h] = kv::or_(kv::and_(ql, low4), kv::and_(kv::slli(qh2, 4), high2));
+    k.u[2 * h + 1] = kv::or_(kv::and_(kv::srli(ql, 4), low4), kv::and_(qh2, high2));
+  }
+  k.table = table;
+#else
+  reg::q6_k_bytes(b, k.u);
+  for (int v = 0; v < 8; ++v) k.s[v] = kv::scales(table, 2 * v, 2 * v, 2 * v + 1, 2 * v + 1);
+#endif
+}
+
+// Q2_K and Q3_K: weight 128h + 32t + l is bits 2t..2t+1 of qs[32h + l]; Q3_K's third bit (u =
+// q + 4) is bit 4h + t of hmask[l]. AVX-512's vector t holds both h: chunks t and 4 + t of x.
+template <bool THREE>
+inline void decode_low_bits(const uint8_t* qs, const uint8_t* hmask, const __m256i table, KBlock& k) {
+  const kv::I three = kv::set1(3);
+#if defined(__AVX512F__)
+  const kv::I q = kv::load(qs);
+  kv::I hm = q;
+  if constexpr (THREE) {
+    const __m256i h = reg::bytes(hmask);
+    hm = kv::join(h, _mm256_srli_epi16(h, 4));
+  }
+  for (int t = 0; t < 4; ++t) {
+    k.u[t] = kv::and_(kv::srli(q, 2 * t), three);
+    if constexpr (THREE) k.u[t] = kv::or_(k.u[t], kv::bit(hm, t, 2));
+  }
+  k.table = table;
+#else
+  const kv::I hm = THREE ? kv::load(hmask) : kv::set1(0);
+  for (int h = 0; h < 2; ++h) {
+    const kv::I q = kv::load(qs + 32 * h);
+    for (int t = 0; t < 4; ++t) {
+      kv::I u = kv::and_(kv::srli(q, 2 * t), three);
+      if constexpr (THREE) u = kv::or_(u, kv::bit(hm, 4 * h + t, 2));
+      k.u[4 * h + t] = u;
+      k.s[4 * h + t] = kv::scales(table, 8 * h + 2 * t, 8 * h + 2 * t, 8 * h + 2 * t + 1, 8 * h + 2 * t + 1);
+    }
+  }
+#endif
+}
+
+// Q2_K: scales[16] (4-bit sc, 4-bit m), qs[64], d, dmin.
+inline void decode_q2_k_block(const uint8_t* b, KBlock& k) {
+  const __m128i s8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b));
+  const __m128i low4 = _mm_set1_epi8(15);
+  const __m256i table = _mm256_cvtepu8_epi16(_mm_and_si128(s8, low4));
+  kv::times(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(s8, 4), low4)), -reg::half(b + 82), k.ck);
+  k.d = reg::half(b + 80);
+  decode_low_bits<false>(b + 16, nullptr, table, k);
+}
+
+// Q3_K: hmask[32], qs[64], twelve bytes of 6-bit scales (minus 32), d. Scale g's low four bits
+// are nibble g / 8 of byte g % 8, its top two bits 2 (g / 4) of byte 8 + g % 4.
+inline void decode_q3_k_block(const uint8_t* b, KBlock& k) {
+  uint32_t a[3], s[4];
+  std::memcpy(a, b + 96, 12);
+  constexpr uint32_t four = 0x0f0f0f0f, two = 0x03030303;
+  s[0] = (a[0] & four) | ((a[2] & two) << 4);
+  s[1] = (a[1] & four) | (((a[2] >> 2) & two) << 4);
+  s[2] = ((a[0] >> 4) & four) | (((a[2] >> 4) & two) << 4);
+  s[3] = ((a[1] >> 4) & four) | (((a[2] >> 6) & two) << 4);
+  const __m128i s8 = _mm_sub_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)), _mm_set1_epi8(32));
+  const __m256i table = _mm256_cvtepi8_epi16(s8);
+  k.d = reg::half(b + 108);
+  kv::times(_mm256_slli_epi16(_mm256_sub_epi16(_mm256_setzero_si256(), table), 2), k.d, k.ck);  // -4 sc
+  decode_low_bits<true>(b + 32, b, table, k);
+}
+
+// The 256-weight types: one accumulator of fp32 lanes a (row of x, row of W).
+template <int FMT>
+struct KQuant {
+  using Block = KBlock;
+  using Acc = kv::F;
+  static constexpr int64_t kBytes = layout<FMT>().bytes;
+  static void decode(const uint8_t* row, int64_t j, int64_t, KBlock& k) {
+    const uint8_t* b = row + j * kBytes;
+    if constexpr (FMT == kQ4_K || FMT == kQ5_K) decode_k4_block<FMT == kQ5_K>(b, k);
+    else if constexpr (FMT == kQ6_K) decode_q6_k_block(b, k);
+    else if constexpr (FMT == kQ3_K) decode_q3_k_block(b, k);
+    else decode_q2_k_block(b, k);
+#if defined(__AVX512F__)
+    k.sc = _mm512_permutexvar_ps(group_lanes(), _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(k.table)));
+#endif
+  }
+#if defined(__AVX512F__)
+  // The group (index into the scale table) of the 16 bytes that vector v's quarter q holds.
+  static constexpr int group(int v, int q) {
+    if (FMT == kQ4_K || FMT == kQ5_K) return 4 * (v / 2) + v % 2 + 2 * (q / 2);
+    if (FMT == kQ6_K) return 4 * v + q;
+    return 2 * v + q % 2 + 8 * (q / 2);  // Q2_K, Q3_K
+  }
+  // Lane l of the reduced sums (below) holds vector l / 4's quarter l % 4 (l < 8), or vector
+  // 2 + (l - 8) / 4's (l >= 8): its group, a lane.
+  static __m512i group_lanes() {
+    alignas(64) static constexpr int32_t lanes[16] = {
+        group(0, 0), group(0, 1), group(0, 2), group(0, 3), group(1, 0), group(1, 1), group(1, 2), group(1, 3),
+        group(2, 0), group(2, 1), group(2, 2), group(2, 3), group(3, 0), group(3, 1), group(3, 2), group(3, 3)};
+    return _mm512_load_si512(lanes);
+  }
+  // Each vector's byte products summed by fours (vpdpbusd), then the four vectors' lanes added
+  // in fours of neighbours (two rounds of even + odd lanes): lane l is the sum over the 16 bytes
+  // of one group (group_lanes), exact, times that group's sc d dx in fp32.
+  static Acc product(const KBlock& k, const QuantizedX& x, int64_t m, int64_t j, Acc acc) {
+    const int64_t at = x.at(m, j);
+    const int8_t* xq = x.xq.get() + at * 256;
+    __m512i s[4];
+    for (int v = 0; v < 4; ++v) s[v] = dot4(k.u[v], kv::load(xq + v * 64));
+    const __m512i even = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    const auto pairs = [&](__m512i a, __m512i b) {
+      return _mm512_add_epi32(_mm512_permutex2var_epi32(a, even, b), _mm512_permutex2var_epi32(a, odd, b));
+    };
+    const __m512i sums = pairs(pairs(s[0], s[1]), pairs(s[2], s[3]));
+    acc = _mm512_fmadd_ps(k.ck[0], _mm512_loadu_ps(x.lanes.get() + at * 16), acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), exact_order_mul(k.sc, _mm512_set1_ps(k.d * x.dx[at])), acc);
+  }
+  // Per int32 lane, the sum of four products u x x (u <= 63).
+  static __m512i dot4(__m512i u, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, x);
+#else
+    return _mm512_madd_epi16(_mm512_maddubs_epi16(u, x), _mm512_set1_epi16(1));
+#endif
+  }
+#else
+  static Acc product(const KBlock& k, const QuantizedX& x, int64_t m, int64_t j, Acc acc) {
+    const int64_t at = x.at(m, j);
+    const int8_t* xq = x.xq.get() + at * 256;
+    kv::I t = kv::dot_scaled(k.u[0], kv::load(xq), k.s[0]);
+    for (int v = 1; v < kv::kVectors; ++v) t = kv::add(t, kv::dot_scaled(k.u[v], kv::load(xq + v * kv::kBytes), k.s[v]));
+    const float* dsums = x.lanes.get() + at * 16;
+    for (int f = 0; f < kv::kFloatVectors; ++f) acc = kv::fmaf(k.ck[f], kv::loadf(dsums + 8 * f), acc);
+    return kv::fma(t, k.d * x.dx[at], acc);
+  }
+#endif
+};
+
+// Per int32 lane, the sum of four products u x x, u unsigned (pairs of products within int16).
+inline __m256i dot_u8(__m256i u, __m256i x) {
+#if defined(__AVX512VNNI__)
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+#endif
+}
+
+// q signed (|q| <= 127): |q| meets x with q's sign.
+inline __m256i dot_s8(__m256i q, __m256i x) { return dot_u8(_mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q)); }
+
+// A 32-weight block's q as bytes: signed (Q5_0, IQ4_NL) or, for Q5_1, unsigned.
+template <int FMT>
+inline __m256i small_bytes(const uint8_t* b) {
+  if constexpr (FMT == kQ5_0) return reg::q5_0_signed(b);
+  else if constexpr (FMT == kQ5_1) return reg::five_bits_unsigned(b + 4, b + 8);
+  else return _mm256_shuffle_epi8(reg::both_halves(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLValues))),
+                                  reg::nibbles(b + 2));
+}
+
+#if !defined(__AVX512F__)
+// The 32-weight types on AVX2: a block a vector.
+struct SBlock {
+  __m256i q;
+  float d, m;
+};
+
+template <int FMT>
+struct Small {
+  using Block = SBlock;
+  using Acc = __m256;
+  static constexpr int64_t kBytes = layout<FMT>().bytes;
+  static void decode(const uint8_t* row, int64_t j, int64_t, SBlock& s) {
+    const uint8_t* b = row + j * kBytes;
+    s.d = reg::half(b);
+    if constexpr (FMT == kQ5_1) s.m = reg::half(b + 2);
+    s.q = small_bytes<FMT>(b);
+  }
+  static Acc product(const SBlock& s, const QuantizedX& x, int64_t m, int64_t j, Acc acc) {
+    const int64_t at = x.at(m, j);
+    const __m256i xq = reg::bytes(x.xq.get() + at * 32);
+    const __m256i S = FMT == kQ5_1 ? dot_u8(s.q, xq) : dot_s8(s.q, xq);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(S), _mm256_set1_ps(s.d * x.dx[at]), acc);
+    if constexpr (FMT == kQ5_1) acc = _mm256_add_ps(acc, _mm256_zextps128_ps256(_mm_set_ss(s.m * x.sx[at])));
+    return acc;
+  }
+};
+#else
+// The 32-weight types on AVX-512: blocks 2p and 2p + 1 a vector, in x's pair order (Placement):
+// one 256-bit load of both blocks' nibbles, and that shifted, give [2p's low, 2p + 1's low, 2p's
+// high, 2p + 1's high]. q as unsigned bytes (Q5_0 q + 16, Q5_1 q), IQ4_NL's |q| with q's signs.
+struct PBlock {
+  __m512i u;
+  __mmask64 negative;
+  __m512 d, m;  // per int32 lane: its block's d (and m)
+};
+
+// Two fp16 values as fp32 lanes in the pair's order: a, a, a, a, b, b, b, b, a, ...
+inline __m512 pair_lanes(const uint8_t* a, const uint8_t* b) {
+  uint16_t ha, hb = 0;
+  std::memcpy(&ha, a, 2);
+  if (b) std::memcpy(&hb, b, 2);
+  const __m128 f = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(ha | (uint32_t{hb} << 16))));
+  const __m512i order = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(order, _mm512_castps128_ps512(f));
+}
+
+template <int FMT>
+struct Small {
+  using Block = PBlock;
+  using Acc = __m512;
+  static constexpr int64_t kBytes = layout<FMT>().bytes;
+  static constexpr int kQs = FMT == kQ5_0 ? 6 : FMT == kQ5_1 ? 8 : 2, kQh = FMT == kQ5_0 ? 2 : 4;
+  static void decode(const uint8_t* row, int64_t p, int64_t nb, PBlock& s) {
+    const uint8_t* a = row + 2 * p * kBytes;
+    const uint8_t* b = 2 * p + 1 < nb ? a + kBytes : nullptr;
+    const __m128i qa = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + kQs));
+    const __m256i qs = _mm256_inserti128_si256(_mm256_castsi128_si256(qa), b ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + kQs)) : _mm_setzero_si128(), 1);
+    const __m512i low = _mm512_and_si512(kv::join(qs, _mm256_srli_epi16(qs, 4)), _mm512_set1_epi8(15));
+    s.d = pair_lanes(a, b);
+    if constexpr (FMT == kIQ4_NL) {
+      const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kIQ4NLValues)));
+      const __m512i q = _mm512_shuffle_epi8(table, low);
+      s.u = _mm512_abs_epi8(q);
+      s.negative = _mm512_movepi8_mask(q);
+    } else {
+      // fifth bits: bit i of qh is weight i; the pair's byte order takes 16 bits of each in turn
+      uint32_t ha, hb = 0;
+      std::memcpy(&ha, a + kQh, 4);
+      if (b) std::memcpy(&hb, b + kQh, 4);
+      const uint64_t lo = (ha & 0xFFFFu) | (hb << 16), hi = (ha >> 16) | (hb & 0xFFFF0000u);
+      s.u = _mm512_mask_add_epi8(low, static_cast<__mmask64>(lo | (hi << 32)), low, _mm512_set1_epi8(16));
+      if constexpr (FMT == kQ5_1) s.m = pair_lanes(a + 2, b ? b + 2 : nullptr);
+    }
+  }
+  static Acc product(const PBlock& s, const QuantizedX& x, int64_t m, int64_t p, Acc acc) {
+    const int64_t at = p * x.M + m;
+    const __m512i xq = _mm512_loadu_si512(x.xq.get() + at * 64);
+    const float* t = x.lanes.get() + at * lane_terms<FMT>() * 16;
+    __m512i S = FMT == kQ5_0 ? _mm512_loadu_si512(t + 16) : _mm512_setzero_si512();
+    const __m512i xs = FMT == kIQ4_NL ? _mm512_mask_sub_epi8(xq, s.negative, _mm512_setzero_si512(), xq) : xq;
+#if defined(__AVX512VNNI__)
+    S = _mm512_dpbusd_epi32(S, s.u, xs);
+#else
+    S = _mm512_add_epi32(S, _mm512_madd_epi16(_mm512_maddubs_epi16(s.u, xs), _mm512_set1_epi16(1)));
+#endif
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(S), exact_order_mul(s.d, _mm512_loadu_ps(t)), acc);
+    if constexpr (FMT == kQ5_1) acc = _mm512_fmadd_ps(s.m, _mm512_loadu_ps(t + 16), acc);
+    return acc;
+  }
+};
+#endif
+
+template <int FMT>
+using Product = std::conditional_t<layout<FMT>().values == 256, KQuant<FMT>, Small<FMT>>;
+
+__attribute__((noinline)) float lanes_sum(__m256 v) { return reg::sum(v); }
+#if defined(__AVX512F__)
+__attribute__((noinline)) float lanes_sum(__m512 v) { return _mm512_reduce_add_ps(v); }
+#endif
+
+// Rows m0.. of x (MR of them) times rows n0.. of W (kv::kRows): each step (a block, or AVX-512's
+// pair of 32-weight blocks) of a W row is decoded once and met with the MR rows of x, whose
+// accumulators stay in registers. Rows past the end repeat the last one (results not stored).
+template <int FMT, int MR>
+void tile(const Operands& o, int64_t m0, int64_t n0) {
+  using P = Product<FMT>;
+  constexpr int R = kv::kRows;
+  const uint8_t* w[R];
+  for (int r = 0; r < R; ++r) w[r] = o.w + std::min(n0 + r, o.N - 1) * o.row_bytes;
+  int64_t m[MR];
+  for (int i = 0; i < MR; ++i) m[i] = std::min(m0 + i, o.M - 1);
+  typename P::Acc acc[MR][R];
+  for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = typename P::Acc{};
+  const int64_t steps = Placement<FMT>::steps(o.nb);
+  for (int64_t j = 0; j < steps; ++j)
+    for (int r = 0; r < R; ++r) {
+      typename P::Block b;
+      P::decode(w[r], j, o.nb, b);
+      for (int i = 0; i < MR; ++i) acc[i][r] = P::product(b, o.x, m[i], j, acc[i][r]);
+    }
+  for (int i = 0; i < MR && m0 + i < o.M; ++i)
+    for (int r = 0; r < R && n0 + r < o.N; ++r) o.store(m0 + i, n0 + r, lanes_sum(acc[i][r]));
+}
+
+// Every row of x against rows n0..n0 + kv::kRows of W, four rows of x at a time.
+template <int FMT>
+void sweep(const Operands& o, int64_t n0) {
+  int64_t m0 = 0;
+  for (; m0 + 4 <= o.M; m0 += 4) tile<FMT, 4>(o, m0, n0);
+  const int64_t left = o.M - m0;
+  if (left == 1) tile<FMT, 1>(o, m0, n0);
+  else if (left == 2) tile<FMT, 2>(o, m0, n0);
+  else if (left == 3) tile<FMT, 4>(o, m0, n0);
+}
+
+template <int FMT>
+void linear_q8_fmt(const Operands& o) {
+  const int64_t tiles = (o.N + kv::kRows - 1) / kv::kRows;
+  // tiles of W rows split evenly over the threads, each thread at least ~2^18 products (a tiny
+  // product is not worth waking a thread)
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / (kv::kRows * o.nb * layout<FMT>().values * o.M));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) sweep<FMT>(o, t * kv::kRows);
+  });
+}
+#else
+// ---- int8 activations, the portable loop ----
+//
+// Each block of a W row is decoded once (as dequantization decodes it) and met with every row of
+// x: per group, S = sum q xq in int32, and the block adds dx (scale S + offset sum(xq in g)).
+template <int FMT>
+void linear_q8_fmt(const Operands& o) {
+  constexpr Layout L = layout<FMT>();
+  constexpr int kGroups = L.values / L.group, kSums = L.group / 16;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / (o.nb * L.values * o.M));
+  at::parallel_for(0, o.N, grain, [&](int64_t begin, int64_t end) {
+    Decoded d;
+    std::vector<float> acc(o.M);
+    for (int64_t n = begin; n < end; ++n) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < o.nb; ++j) {
+        decode<FMT>(o.w + n * o.row_bytes + j * L.bytes, d);
+        for (int64_t m = 0; m < o.M; ++m) {
+          const int8_t* x = o.x.xq.get() + o.x.at(m, j) * L.values;
+          const int16_t* sums = o.x.bsums(m, j);
+          float s = 0.f;
+          for (int g = 0; g < kGroups; ++g) {
+            int32_t S = 0;
+            for (int i = 0; i < L.group; ++i) S += d.q[g * L.group + i] * x[g * L.group + i];
+            s += d.scale[g] * static_cast<float>(S);
+            if constexpr (has_offset<FMT>()) {
+              int32_t xs = 0;
+              for (int i = 0; i < kSums; ++i) xs += sums[g * kSums + i];
+              s += d.offset[g] * static_cast<float>(xs);
+            }
+          }
+          acc[m] += o.x.dx[o.x.at(m, j)] * s;
+        }
+      }
+      for (int64_t m = 0; m < o.M; ++m) o.store(m, n, acc[m]);
+    }
+  });
+}
+#endif
+
+template <int FMT>
+void linear_q8_typed(const float* x, const uint8_t* w, const float* bias, float* y, int64_t M, int64_t N, int64_t K) {
+  constexpr Layout L = layout<FMT>();
+  const QuantizedX q = quantize_x<FMT>(x, M, K);
+  linear_q8_fmt<FMT>(Operands{q, w, bias, y, M, N, K / L.values, K / L.values * L.bytes});
 }
 
 // ---- entry points ----
@@ -931,10 +1376,10 @@ at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::op
   const float* b = bias_ptr(bias, N, keep);
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const QuantizedX q = quantize_x(xc.data_ptr<float>(), M, K, layout_of(fmt).values);
+  const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-#define KQ_LINEAR_Q8(F) linear_q8_fmt<F>(q, wp, b, yp, M, N, K)
+#define KQ_LINEAR_Q8(F) linear_q8_typed<F>(xp, wp, b, yp, M, N, K)
   KQ_DISPATCH(fmt, KQ_LINEAR_Q8)
 #undef KQ_LINEAR_Q8
   return y;
