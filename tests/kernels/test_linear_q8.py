@@ -60,7 +60,7 @@ def test_products_equal_the_reference(isa, fmt, n, k):
     panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
     w = dequantize_torch(p.data, p.fmt, k)
     g = torch.Generator().manual_seed(1)
-    for m in (1, 2, 3, 4, 5, 7, 8, 17, 64, 200):
+    for m in (1, 2, 3, 4, 5, 6, 7, 8, 17, 64, 200):
         if isa == "portable" and m == 200 and n * k > 100_000:
             continue  # the scalar loop: 64 rows cover its tiles
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
@@ -74,6 +74,30 @@ def test_products_equal_the_reference(isa, fmt, n, k):
         assert ((y.double() - ref).abs() <= bound + (bias.double().abs() * 2 ** -23 if bias is not None else 0)).all()
         exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
         assert ((y.double() - exact).abs() <= rounding_bound(x, w) * 1.001 + bound).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_two_threads_give_the_products_of_one(isa, fmt):
+    """The runs of W rows split over threads, tiles of one to four rows and the panels asked for
+    ahead change nothing: 2 threads give 1 thread's products bit for bit, for a last panel of
+    fewer than 16 rows, an odd number of panels, and 1 to 9 rows (each remainder of four)."""
+    kernel = compiled_kernel("linear_q8", isa)
+    g = torch.Generator().manual_seed(5)
+    for n, k in [(1000, 576), (960, 96), (17, 1536)]:
+        p = packed(n, k, fmt, seed=n)
+        panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
+        for m in range(1, 10):
+            x = torch.randn(m, k, generator=g)
+            ys = []
+            for threads in (1, 2):
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    ys.append(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None))
+                finally:
+                    torch.set_num_threads(before)
+            assert torch.equal(ys[0], ys[1]), (n, k, m)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -52,6 +52,55 @@ def test_products_equal_dequantize_then_multiply(isa, fmt, n, k):
         assert ((y.double() - ref).abs() <= bound + (bias.double().abs() * 2 ** -23 if bias is not None else 0)).all()
 
 
+# fp16 scales across the range: subnormal, tiny, one, the largest, of both signs
+HALVES = torch.tensor([0x0001, 0x03FF, 0x0400, 0x1234, 0x3C00, 0x5A5A, 0x7BFF, 0x8001, 0x83FF, 0xBC00, 0xFBFF, 0x0000],
+                      dtype=torch.int32).to(torch.int16)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_a_one_hot_row_gives_each_weight_exactly(isa, fmt):
+    """x = e_i picks column i of W: one product by 1 and sums of zeros, so y equals the
+    reference's dequantized weight bit for bit, whatever the scales (d and m converted from
+    fp16 by the vector units: subnormal, tiny, huge)."""
+    kernel = compiled_kernel("linear_quant", isa)
+    n, k = 40, 96
+    p = packed(n, k, fmt, seed=7)
+    g = torch.Generator().manual_seed(8)
+    blocks = p.data.clone().view(n, k // 32, -1)
+    heads = HALVES[torch.randint(0, len(HALVES), (n, k // 32, 2), generator=g)].view(torch.uint8).view(n, k // 32, 4)
+    blocks[..., :2] = heads[..., :2]
+    if fmt == "q4_1":
+        blocks[..., 2:4] = heads[..., 2:4]
+    data = blocks.reshape(n, -1).contiguous()
+    w = dequantize_torch(data, p.fmt, k)
+    for i in (0, 5, 16, 31, 47, 95):
+        x = torch.zeros(1, k)
+        x[0, i] = 1.0
+        assert torch.equal(kernel.linear_quant(x, data, p.fmt.ggml_type, k, None)[0], w[:, i]), i
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_two_threads_give_the_products_of_one(isa, fmt):
+    """Rows of W split over threads change nothing: 2 threads give 1 thread's products bit for bit."""
+    kernel = compiled_kernel("linear_quant", isa)
+    g = torch.Generator().manual_seed(6)
+    for n, k in [(1000, 576), (17, 1536)]:
+        p = packed(n, k, fmt, seed=n)
+        for m in (1, 2, 3, 4, 5, 8):
+            x = torch.randn(m, k, generator=g)
+            ys = []
+            for threads in (1, 2):
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    ys.append(kernel.linear_quant(x, p.data, p.fmt.ggml_type, k, None))
+                finally:
+                    torch.set_num_threads(before)
+            assert torch.equal(ys[0], ys[1]), (n, k, m)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_the_model_files_own_bytes(isa, smollm2_path):
     """Q4_1 projections and the Q8_0 embedding of SmolLM2's GGUF, dequantized by the kernel,

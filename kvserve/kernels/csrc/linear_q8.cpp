@@ -26,8 +26,10 @@
 //
 // Paths: AVX-512 VNNI (a vector is a panel), AVX2 (half a panel; the byte dot product takes two
 // instructions), and a portable loop over the same layout (setup.py builds this file once
-// per level; `isa()` names the build). Runs of W rows (32 with AVX-512, 8 with AVX2) are split
-// over threads; each sweeps every row of x, four at a time, so a weight loaded serves four rows.
+// per level; `isa()` names the build). Runs of W rows (32 with AVX-512, 16 with AVX2) are split
+// over threads (one parallel region, the runs split evenly); each sweeps every row of x, four
+// at a time, so a weight loaded serves four rows, and the one to three rows left in one more
+// pass (a tile of that many rows, not a pass a row).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <ATen/Parallel.h>
@@ -48,7 +50,7 @@ namespace {
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;
 constexpr int64_t kBlock = 32, kPanel = 16;
 
-inline int64_t block_bytes(int64_t fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
+constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ8_0 ? 34 : fmt == kQ4_0 ? 18 : 20; }
 // A block's weight bytes in a panel (16 rows), and the bytes of its head (d, and m) in GGUF.
 inline int64_t quant_bytes(int64_t fmt) { return fmt == kQ8_0 ? 512 : 256; }
 inline int64_t head_bytes(int64_t fmt) { return fmt == kQ4_1 ? 4 : 2; }
@@ -75,6 +77,7 @@ struct V {
   using F = __m512;
   static constexpr int kLanes = 16, kRows = 4, kCols = 2;  // a tile: rows of x, vectors of W rows
   static constexpr int kUnit = 2;  // vectors of W rows a thread takes at a time
+  static constexpr int kSplitTiles = 6;  // tiles of up to 6 vectors keep two sums a block
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I low(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
@@ -84,6 +87,8 @@ struct V {
   // a block's Q4 sums: the same dot products, whole in int32 already
   static I dot_q4(I acc, I u8, I s8) { return dot(acc, u8, s8); }
   static I finish_q4(I acc) { return acc; }
+  static I add_q4(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I add(I a, I b) { return _mm512_add_epi32(a, b); }
   // s8 x s8: |w| as the unsigned side, x negated where w is negative
   static I dot_signed(I acc, I w, I x) {
     return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
@@ -119,6 +124,7 @@ struct V {
   using F = __m256;
   static constexpr int kLanes = 8, kRows = 4, kCols = 1;  // 16 registers: 4 x 1 tiles
   static constexpr int kUnit = 2;  // a panel; single rows take both vectors at once
+  static constexpr int kSplitTiles = 0;  // 16 registers: one sum a block
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I low(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
@@ -131,6 +137,9 @@ struct V {
   // of them 30480) and widened once a block: 9 multiplying instructions instead of 16
   static I dot_q4(I acc, I u8, I s8) { return _mm256_add_epi16(acc, _mm256_maddubs_epi16(u8, s8)); }
   static I finish_q4(I acc) { return _mm256_madd_epi16(acc, _mm256_set1_epi16(1)); }
+  // the two halves of a block's Q4 sums, still in int16 (at most 30480 together)
+  static I add_q4(I a, I b) { return _mm256_add_epi16(a, b); }
+  static I add(I a, I b) { return _mm256_add_epi32(a, b); }
   // s8 x s8: |w| (at most 128) as the unsigned side, so pairs stay within int16
   static I dot_signed(I acc, I w, I x) { return dot(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
@@ -214,7 +223,22 @@ struct Out {
 };
 
 #if defined(__AVX2__)
-constexpr int64_t kPrefetchBytes = 12288;
+// How far ahead of the panels it reads a tile of one to three rows of x asks for W (software
+// prefetch): those rows stream W, a byte of it serving at most three rows, so each core reads it
+// at the rate of its memory, and more lines in flight than the hardware prefetcher keeps help.
+// Four panels (23 KB of Q4_1 at K = 576) cover the latency from memory at ~25 GB/s a core.
+constexpr int64_t kPrefetchPanels = 4;
+
+// Block b's slice of the PANELS panels kPrefetchPanels after `first` (panels of `pb` bytes): over
+// the nb blocks of a tile, exactly those panels, each line once.
+template <int FMT, int PANELS>
+inline void prefetch_ahead(const uint8_t* first, int64_t pb, int64_t b) {
+  constexpr int64_t kStep = kPanel * block_bytes(FMT);  // a block's bytes in a panel, pb / nb
+  for (int p = 0; p < PANELS; ++p) {
+    const uint8_t* at = first + (p + kPrefetchPanels) * pb + b * kStep;
+    for (int64_t o = 0; o < kStep; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o), _MM_HINT_T0);
+  }
+}
 
 // Rows m0..m0+MR of x times the NV vectors of W rows from row n0 (a multiple of the lanes).
 // Row n's bytes sit in panel n / 16 (`pb` bytes each) at lane n % 16.
@@ -227,17 +251,23 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     const int64_t n = n0 + v * V::kLanes;
     col[v] = w + n / kPanel * pb + n % kPanel * 4;  // its nibbles; its scales at half the offset
   }
+  // the first tile of few rows over these panels asks for those ahead (the tile of a panel's
+  // first half, for the whole panel); tiles of four rows compute more than they read
+  const bool ahead = MR < V::kRows && m0 == 0 && n0 % kPanel == 0;
+  constexpr int kPanels = (NV * V::kLanes + kPanel - 1) / kPanel;
+  // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
+  // where the registers hold them: two and three rows of x take a third less time (AVX-512)
+  constexpr bool kSplit = MR * NV <= V::kSplitTiles;
   typename V::F acc[MR][NV];
   for (int m = 0; m < MR; ++m)
     for (int v = 0; v < NV; ++v) acc[m][v] = V::zerof();
   for (int64_t b = 0; b < nb; ++b) {
-    typename V::I S[MR][NV];
-    for (int m = 0; m < MR; ++m)
-      for (int v = 0; v < NV; ++v) S[m][v] = V::zero();
-    if (MR == 1)  // a single row streams W: ask for it 12 KB ahead (30 layers of SmolLM2: 3.1 -> 2.0 ms)
-      for (int v = 0; v < NV; v += 64 / (4 * V::kLanes))
-        for (int64_t at = 0; at < qb; at += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(col[v] + b * qb + kPrefetchBytes + at), _MM_HINT_T0);
+    constexpr int kSums = kSplit ? 2 : 1;
+    typename V::I S[kSums][MR][NV];
+    for (int h = 0; h < kSums; ++h)
+      for (int m = 0; m < MR; ++m)
+        for (int v = 0; v < NV; ++v) S[h][m][v] = V::zero();
+    if (ahead) prefetch_ahead<FMT, kPanels>(w + n0 / kPanel * pb, pb, b);
     for (int c = 0; c < 4; ++c) {
       // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
@@ -257,9 +287,11 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
         std::memcpy(&xl, xb + 4 * c, 4);
         std::memcpy(&xh, xb + 16 + 4 * c, 4);
         const typename V::I bl = V::set1(xl), bh = V::set1(xh);
-        for (int v = 0; v < NV; ++v)
-          S[m][v] = FMT == kQ8_0 ? V::dot_signed(V::dot_signed(S[m][v], lo[v], bl), hi[v], bh)
-                                 : V::dot_q4(V::dot_q4(S[m][v], lo[v], bl), hi[v], bh);
+        for (int v = 0; v < NV; ++v) {
+          typename V::I &L = S[0][m][v], &H = S[kSums - 1][m][v];
+          L = FMT == kQ8_0 ? V::dot_signed(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
+          H = FMT == kQ8_0 ? V::dot_signed(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
+        }
       }
     }
     typename V::F d[NV], mn[NV];
@@ -273,7 +305,9 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       const typename V::F dx = V::set1f(q.dx[at]), sx = V::set1f(q.sx[at]);
       const typename V::I eight_sumq = V::set1(8 * q.sumq[at]);
       for (int v = 0; v < NV; ++v) {
-        const typename V::I whole = FMT == kQ8_0 ? S[m][v] : V::finish_q4(S[m][v]);
+        typename V::I sum = S[0][m][v];
+        if constexpr (kSplit) sum = FMT == kQ8_0 ? V::add(sum, S[1][m][v]) : V::add_q4(sum, S[1][m][v]);
+        const typename V::I whole = FMT == kQ8_0 ? sum : V::finish_q4(sum);
         const typename V::I s = FMT == kQ4_0 ? V::sub(whole, eight_sumq) : whole;
         acc[m][v] = V::fma(V::tofloat(s), V::mul(d[v], dx), acc[m][v]);
         if (FMT == kQ4_1) acc[m][v] = V::fma(mn[v], sx, acc[m][v]);
@@ -329,7 +363,7 @@ constexpr int kLanes = kPanel, kRowTile = 4, kColTile = 1, kUnit = 2;
 #endif
 
 // Every row of x times NV vectors of W rows from n0: kRowTile rows at a time by kColTile
-// vectors, the rows left one at a time by all NV.
+// vectors; the one to three rows left in one more pass (a single row by all NV at once).
 template <int FMT, int NV>
 void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t M, int64_t K, const Out& out, int64_t n0) {
   static_assert(NV % kColTile == 0 || NV < kColTile, "a unit is whole tiles");
@@ -337,7 +371,13 @@ void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t M, in
   int64_t m0 = 0;
   for (; m0 + kRowTile <= M; m0 += kRowTile)
     for (int v = 0; v < NV; v += kTile) tile<FMT, kRowTile, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes);
-  for (; m0 < M; ++m0) tile<FMT, 1, NV>(w, pb, q, m0, K, out, n0);
+  static_assert(kRowTile == 4, "the rows left are one to three");
+  switch (M - m0) {
+    case 1: tile<FMT, 1, NV>(w, pb, q, m0, K, out, n0); break;
+    case 2: for (int v = 0; v < NV; v += kTile) tile<FMT, 2, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
+    case 3: for (int v = 0; v < NV; v += kTile) tile<FMT, 3, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
+    default: break;
+  }
 }
 
 template <int FMT>

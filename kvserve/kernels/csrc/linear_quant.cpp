@@ -66,25 +66,34 @@ inline void dequant_block(const uint8_t* b, float* out) {
 }
 
 #if defined(__AVX512F__)
+// d (and m, Q4_1) of the block at b, converted by the F16C unit: [d, m, ..] in the low lanes.
+inline __m128 block_head(const uint8_t* b) {
+  int32_t bits;
+  std::memcpy(&bits, b, sizeof bits);  // Q4_0 / Q8_0: the lane after d is the first weights, unused
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
 // The block's weights as two registers of 16.
 template <int FMT>
 inline void weights(const uint8_t* b, __m512& w0, __m512& w1) {
-  const __m512 d = _mm512_set1_ps(half_at(b));
+  const __m128 head = block_head(b);
+  const __m512 d = _mm512_broadcastss_ps(head);
   if (FMT == kQ8_0) {
-    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2));
-    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18));
-    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)));
-    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)));
+    const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2)));
+    const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 18)));
+    w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q0));
+    w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(q1));
   } else {
     // the block's 16 possible weights, computed as the reference computes each (d * (q - 8), or
     // d * q + m), then looked up by nibble: one product (and sum) a block, not one a weight
     const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512 table = FMT == kQ4_0 ? _mm512_mul_ps(d, _mm512_sub_ps(levels, _mm512_set1_ps(8.f)))
-                                      : _mm512_add_ps(_mm512_mul_ps(d, levels), _mm512_set1_ps(half_at(b + 2)));
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4)));
-    const __m128i low = _mm_set1_epi8(15);
-    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(q, low)), table);
-    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(q, 4), low)), table);
+                                      : _mm512_add_ps(_mm512_mul_ps(d, levels), _mm512_broadcastss_ps(_mm_movehdup_ps(head)));
+    // one byte a lane; the lookup reads only an index's low four bits, so the low nibble needs
+    // no mask and the high one a shift
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4))));
+    w0 = _mm512_permutexvar_ps(q, table);
+    w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), table);
   }
 }
 
@@ -112,24 +121,35 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// d (and m, Q4_1) of the block at b, converted by the F16C unit: [d, m, ..] in the low lanes.
+inline __m128 block_head(const uint8_t* b) {
+  int32_t bits;
+  std::memcpy(&bits, b, sizeof bits);  // Q4_0 / Q8_0: the lane after d is the first weights, unused
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
+}
+
 // The block's weights as four registers of 8.
 template <int FMT>
 inline void weights(const uint8_t* b, __m256* w) {
-  const __m256 d = _mm256_set1_ps(half_at(b));
+  const __m128 head = block_head(b);
+  const __m256 d = _mm256_broadcastss_ps(head);
   if (FMT == kQ8_0) {
     for (int i = 0; i < 4; ++i) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * i));
       w[i] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)));
     }
   } else {
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + (FMT == kQ4_0 ? 2 : 4)));
-    const __m128i low = _mm_set1_epi8(15);
-    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
-    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-    const __m256 m = _mm256_set1_ps(FMT == kQ4_1 ? half_at(b + 2) : 0.f);
+    // eight bytes a widening, each giving eight low and eight high nibbles
+    const uint8_t* q = b + (FMT == kQ4_0 ? 2 : 4);
+    const __m256i low = _mm256_set1_epi32(15);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q)));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8)));
+    const __m256i parts[4] = {_mm256_and_si256(b0, low), _mm256_and_si256(b1, low), _mm256_srli_epi32(b0, 4),
+                              _mm256_srli_epi32(b1, 4)};
+    const __m256 m = FMT == kQ4_1 ? _mm256_broadcastss_ps(_mm_movehdup_ps(head)) : _mm256_setzero_ps();
     const __m256 eight = _mm256_set1_ps(8.f);
     for (int i = 0; i < 4; ++i) {
-      const __m256 qf = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i]));
+      const __m256 qf = _mm256_cvtepi32_ps(parts[i]);
       w[i] = FMT == kQ4_0 ? _mm256_mul_ps(d, _mm256_sub_ps(qf, eight)) : _mm256_add_ps(_mm256_mul_ps(d, qf), m);
     }
   }

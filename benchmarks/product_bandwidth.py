@@ -1,0 +1,204 @@
+"""How near the default model's packed products come to streaming their weights at the machine's
+read bandwidth, for the few rows of decode.
+
+SmolLM2-135M-Instruct (the default GGUF: Q4_1 projections, the tied Q8_0 head) reads about
+92 MiB of weights a decode step: 30 layers of fused qkv [960 x 576], o [576 x 576], fused
+gate_up [3072 x 576] and down [576 x 1536], then the head [49152 x 576]. This script measures
+
+  * the read bandwidth: a torch sum over 1 GiB of fp32 (and over a model-sized 92 MiB), on 1 and
+    2 threads, best of the repeats;
+  * each product of the model at 1, 2, 4 and 8 rows of x, on 1 and 2 threads, through both
+    compiled kernels (linear_quant: float activations; linear_q8: activations quantized to 8 bits
+    a block) at the best level this CPU runs: microseconds a call, GB/s of weight streamed and the
+    fraction of the 1 GiB bandwidth. Every call of a pass reads another layer's weights (the 30
+    layers' own bytes, as a decode step reads them), so no product is timed out of a warm cache;
+  * the products of a whole decode step summed (30 layers and the head);
+  * batch-1 greedy decode tokens/s of the engine, 128 tokens, with packed activations int8 and
+    float.
+
+The kernels are timed by turns within each repeat and the best repeat kept: the cores may be
+shared, and the fastest pass is the one the machine allowed.
+
+    .venv/bin/python benchmarks/product_bandwidth.py [--threads 1 2] [--rows 1 2 4 8] [--reps 7]
+
+Writes benchmarks/results/product_bandwidth.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from kvserve import kernels  # noqa: E402
+from kvserve.models.loaders.gguf_file import GGUFFile  # noqa: E402
+from kvserve.models.registry import default_model_path  # noqa: E402
+
+RESULT = Path(__file__).parent / "results" / "product_bandwidth.json"
+# the model's products: the GGUF tensors each fuses (rows stacked), per layer
+LAYER_PRODUCTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
+                  "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
+KERNELS = ("linear_quant", "linear_q8")
+
+
+class Product:
+    """One product of the model: its GGUF type, shape and the weights of every layer it has."""
+
+    def __init__(self, name: str, ggml_type: int, n: int, k: int, weights: list[torch.Tensor]) -> None:
+        self.name, self.ggml_type, self.n, self.k, self.weights = name, ggml_type, n, k, weights
+
+    @property
+    def bytes_per_call(self) -> int:
+        return self.weights[0].numel()
+
+
+def model_products(path: str) -> list[Product]:
+    """The default model's products, each with its GGUF rows [N, row bytes] per layer."""
+    f = GGUFFile(path)
+    by_name = {t.name: t for t in f.tensors}
+
+    def rows(name: str) -> torch.Tensor:
+        t = by_name[name]
+        return torch.frombuffer(bytearray(f.data[t.offset:t.offset + t.nbytes]), dtype=torch.uint8).reshape(t.shape[0], -1)
+
+    layers = sum(1 for name in by_name if name.endswith(".attn_q.weight"))
+    products = []
+    for product, parts in LAYER_PRODUCTS.items():
+        first = [by_name[f"blk.0.{p}.weight"] for p in parts]
+        assert len({t.ggml_type for t in first}) == 1, f"{product}: parts of different types"
+        weights = [torch.cat([rows(f"blk.{i}.{p}.weight") for p in parts]).contiguous() for i in range(layers)]
+        products.append(Product(product, first[0].ggml_type, sum(t.shape[0] for t in first), first[0].shape[1], weights))
+    head = by_name.get("output.weight", by_name["token_embd.weight"])  # tied: the embedding's table
+    products.append(Product("head", head.ggml_type, head.shape[0], head.shape[1], [rows(head.name).contiguous()]))
+    return products
+
+
+def read_bandwidth(mib: int, reps: int) -> float:
+    """GB/s of a torch sum over `mib` MiB of fp32, best of `reps`."""
+    x = torch.ones(mib * (1 << 20) // 4)
+    x.sum()
+    return x.numel() * 4 / min(_seconds(lambda: x.sum()) for _ in range(reps)) / 1e9
+
+
+def _seconds(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def calls(kernel_name: str, module: Any, p: Product, x: torch.Tensor) -> Callable[[], None]:
+    """One pass over the product's layers through a kernel (its weights in that kernel's layout)."""
+    if kernel_name == "linear_q8":
+        panels = [module.pack_panels(w, p.ggml_type, p.k) for w in p.weights]
+        return lambda: [module.linear_q8(x, w, p.ggml_type, p.k, p.n, None) for w in panels] and None
+    return lambda: [module.linear_quant(x, w, p.ggml_type, p.k, None) for w in p.weights] and None
+
+
+def time_products(products: list[Product], modules: dict[str, Any], rows: int, reps: int) -> dict[str, dict[str, float]]:
+    """Microseconds a call of each (kernel, product): best pass of `reps`, kernels by turns."""
+    g = torch.Generator().manual_seed(0)
+    best: dict[str, dict[str, float]] = {k: {} for k in modules}
+    for p in products:
+        x = torch.randn(rows, p.k, generator=g)
+        passes = {k: calls(k, m, p, x) for k, m in modules.items()}
+        repeat = max(1, 60 // len(p.weights))  # a pass of at least ~60 calls
+        for fn in passes.values():
+            fn()  # warm-up
+        for _ in range(reps):
+            for k, fn in passes.items():
+                t = _seconds(lambda: [fn() for _ in range(repeat)]) / (repeat * len(p.weights))
+                best[k][p.name] = min(best[k].get(p.name, float("inf")), t * 1e6)
+    return best
+
+
+def product_table(products: list[Product], modules: dict[str, Any], threads: list[int], rows: list[int], reps: int,
+                  bandwidth: dict[int, float]) -> list[dict[str, Any]]:
+    entries = []
+    for t in threads:
+        torch.set_num_threads(t)
+        for m in rows:
+            us = time_products(products, modules, m, reps)
+            for k in modules:
+                for p in products:
+                    gb_s = p.bytes_per_call / us[k][p.name] / 1e3
+                    entries.append({"threads": t, "rows": m, "kernel": k, "product": p.name, "us": round(us[k][p.name], 2),
+                                    "gb_s": round(gb_s, 2), "of_bandwidth": round(gb_s / bandwidth[t], 3)})
+                step_us = sum(us[k][p.name] * len(p.weights) for p in products)
+                step_bytes = sum(p.bytes_per_call * len(p.weights) for p in products)
+                gb_s = step_bytes / step_us / 1e3
+                entries.append({"threads": t, "rows": m, "kernel": k, "product": "decode step", "us": round(step_us, 1),
+                                "gb_s": round(gb_s, 2), "of_bandwidth": round(gb_s / bandwidth[t], 3)})
+                print(f"{t} thread(s), {m} row(s), {k:12s} " + "  ".join(
+                    f"{e['product']} {e['us']:.1f} us {e['gb_s']:.1f} GB/s ({e['of_bandwidth']:.0%})"
+                    for e in entries if e["threads"] == t and e["rows"] == m and e["kernel"] == k), flush=True)
+    return entries
+
+
+def decode_tokens_per_s(threads: int, tokens: int, repeats: int) -> dict[str, float]:
+    """Batch-1 greedy decode tokens/s of the engine, packed activations int8 and float: median of
+    `repeats` runs of `tokens` decode steps."""
+    from kvserve.core.sampling_params import SamplingParams
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.models.registry import load_weights
+    torch.set_num_threads(threads)
+    loaded = load_weights(default_model_path())
+    out = {}
+    for acts in ("int8", "float"):
+        engine = LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, max_model_len=1024, num_blocks=128,
+                                        enable_prefix_caching=False, packed_activations=acts)
+        runs = []
+        for r in range(repeats + 1):  # the first warms up
+            engine.add_request(f"r{r}", [1], SamplingParams(temperature=0, max_tokens=tokens + 1, ignore_eos=True))
+            engine.step()  # the 1-token prompt, then `tokens` decode steps
+            t = time.perf_counter()
+            while engine.has_unfinished():
+                engine.step()
+            runs.append(tokens / (time.perf_counter() - t))
+        out[acts] = round(statistics.median(runs[1:]), 1)
+        engine.close()
+        print(f"decode, batch 1, {threads} threads, packed activations {acts}: {out[acts]} tokens/s", flush=True)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--decode-tokens", type=int, default=128)
+    p.add_argument("--decode-repeats", type=int, default=3)
+    a = p.parse_args()
+    modules = {k: kernels.load(k) for k in KERNELS}
+    missing = [k for k, m in modules.items() if m is None]
+    if missing:
+        raise SystemExit(f"compiled kernels missing: {', '.join(f'{k} ({kernels.failure(k)})' for k in missing)}")
+    bandwidth, model_sized = {}, {}
+    for t in a.threads:
+        torch.set_num_threads(t)
+        bandwidth[t], model_sized[t] = read_bandwidth(1024, a.reps), read_bandwidth(92, a.reps)
+        print(f"read bandwidth, {t} thread(s): {bandwidth[t]:.1f} GB/s over 1 GiB, {model_sized[t]:.1f} over 92 MiB")
+    products = model_products(default_model_path())
+    table = product_table(products, modules, a.threads, a.rows, a.reps, bandwidth)
+    decode = decode_tokens_per_s(max(a.threads), a.decode_tokens, a.decode_repeats)
+    RESULT.parent.mkdir(parents=True, exist_ok=True)
+    RESULT.write_text(json.dumps({
+        "model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
+        "levels": {k: m.isa() for k, m in modules.items()},
+        "read_gb_s": {"1GiB": bandwidth, "92MiB": model_sized},
+        "products": [{"product": p.name, "ggml_type": p.ggml_type, "n": p.n, "k": p.k, "layers": len(p.weights),
+                      "bytes": p.bytes_per_call} for p in products],
+        "timings": table,
+        "decode_batch1_tokens_per_s": {"threads": max(a.threads), **decode},
+    }, indent=1) + "\n")
+    print(f"wrote {RESULT}")
+
+
+if __name__ == "__main__":
+    main()
