@@ -20,13 +20,14 @@
 //           byte c holds channel c (low nibble) and c + D/2 (high); a block still filling
 //           (slot_of[block] >= 0) is read from its full-precision residual slot instead
 //
-// Two paths. The portable one, for any shape and any x86-64 (built again for AVX2, where scores
-// take eight rows at a time, the exponentials and bf16/fp16 rows 8 lanes, and the output stays in
-// registers while a block's rows are added), splits each context into parts along its blocks
-// (one task a part: batch 1 keeps every thread busy, and each task streams whole blocks, every
-// K/V head at once), keeps the softmax online within a part and merges the parts at the end.
-// The AVX-512 one, for head dims 16/32/64/128 with up to 8 query heads per K/V head, splits the
-// work over (sequence, K/V head) pairs that walk their blocks twice (K, then V). The build decides which exist
+// Both paths split each context into parts along its blocks (flash-decoding: batch 1 keeps every
+// thread busy), keep each part's softmax apart and merge the parts at the end (merge_parts). The
+// portable one, for any shape and any x86-64 (built again for AVX2, where scores take eight rows
+// at a time, the exponentials and bf16/fp16 rows 8 lanes, and the output stays in registers while
+// a block's rows are added), runs one task a part, streaming whole blocks (every K/V head at
+// once) with the softmax online. The AVX-512 one, for head dims 16/32/64/128/256 with up to 8
+// query heads per K/V head, runs one task a (part, K/V head) that walks the part's blocks twice
+// (K, then V). The build decides which exist
 // (setup.py builds this file once per instruction-set level and loads the one the CPU
 // runs); `isa()` names the build.
 #include <ATen/ATen.h>
@@ -46,6 +47,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <type_traits>
 #include <vector>
 
@@ -379,7 +381,7 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
 }
 
 // How many parts each context is split into: enough (sequence, part) tasks to keep every thread
-// busy when the batch is small, none shorter than kMinPartTokens.
+// busy when the batch is small, none shorter than kMinPartTokens. Both paths cut by this rule.
 constexpr int64_t kMinPartTokens = 64;
 
 inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
@@ -387,43 +389,91 @@ inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
   return std::max<int64_t>(1, std::min(want, (longest + kMinPartTokens - 1) / kMinPartTokens));
 }
 
+// The most positions any query of the batch attends to (its window's, where there is one).
+inline int64_t longest_attended(const int64_t* lens, int64_t B, int64_t window) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], window));
+  return longest;
+}
+
+// Part `part` of P of a context attending to positions [first, len): an equal share of the
+// blocks holding them, as the positions [begin, end) (empty where the blocks ran out first).
+// E.g. BS 16, first 20, len 100, P 2: blocks 1..6 hold them, 3 a part: [20, 64) and [64, 100).
+struct PartSpan {
+  int64_t begin, end;
+  bool empty() const { return begin >= end; }
+};
+
+inline PartSpan part_span(int64_t first, int64_t len, int64_t BS, int64_t P, int64_t part) {
+  const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
+  const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per, pb1 = std::min(blk0 + nblk, pb0 + per);
+  if (pb0 >= pb1) return {0, 0};
+  return {std::max(first, pb0 * BS), std::min(len, pb1 * BS)};
+}
+
+// Each (sequence, part)'s softmax over its positions, per query head: the largest score m, the
+// sum l of e^(s - m) and the unnormalized output acc = sum of e^(s - m) v [D]. A part with no
+// positions keeps l = 0 and is skipped by the merge.
+struct PartStates {
+  int64_t P, H, D;
+  std::vector<float> m, l, acc;  // [B, P, H], [B, P, H], [B, P, H, D]
+  PartStates(int64_t B, int64_t P, int64_t H, int64_t D)
+      : P(P), H(H), D(D), m(B * P * H, -std::numeric_limits<float>::infinity()), l(B * P * H, 0.f),
+        acc(B * P * H * D, 0.f) {}
+  int64_t at(int64_t b, int64_t part, int64_t h) const { return (b * P + part) * H + h; }
+};
+
+// out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M) per (sequence, query head), M the
+// largest m_p: the parts' softmaxes merged into the one over the whole context (flash-decoding).
+template <typename scalar_t>
+void merge_parts(const PartStates& st, scalar_t* out, int64_t B) {
+  const int64_t P = st.P, H = st.H, D = st.D;
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> o(D);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / H, h = bh % H;
+      float M = -std::numeric_limits<float>::infinity(), sum = 0.f;
+      for (int64_t p = 0; p < P; ++p) M = std::max(M, st.m[st.at(b, p, h)]);
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t p = 0; p < P; ++p) {
+        const int64_t at = st.at(b, p, h);
+        if (st.l[at] == 0.f) continue;  // a part with no positions
+        const float w = std::exp(st.m[at] - M);
+        sum += st.l[at] * w;
+        const float* a = st.acc.data() + at * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
+      }
+      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = static_cast<scalar_t>(o[d] / sum);
+    }
+  });
+}
+
 // One pass over the blocks of a part, K and V of a block together (every K/V head of the block:
 // the rows of a block are contiguous, so each task streams whole blocks), with the softmax kept
 // online: per query head a running max m, sum l of e^(s - m) and sum acc of e^(s - m) v, rescaled
-// by e^(m_old - m_new) when a block raises the max. A context is cut into parts along its blocks
-// (flash-decoding), each part's (m, l, acc) kept apart and merged at the end:
-// out = sum_p acc_p e^(m_p - M) / sum_p l_p e^(m_p - M), M the largest m_p. Same fp32 arithmetic
-// as the two-pass softmax up to summation order.
+// by e^(m_old - m_new) when a block raises the max. Same fp32 arithmetic as the two-pass softmax
+// up to summation order.
 template <typename scalar_t, typename KSrc, typename VSrc>
 void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                      scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t BS, int64_t max_blocks,
                      float scale, int64_t window) {
-  const int64_t G = H / KVH;
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], window));
-  const int64_t P = parts_per_sequence(B, longest);
-  // per (sequence, part, query head): running max, sum, and the unnormalized output [D]
-  std::vector<float> part_m(B * P * H), part_l(B * P * H), part_acc(B * P * H * D);
+  const int64_t G = H / KVH, P = parts_per_sequence(B, longest_attended(lens, B, window));
+  PartStates st(B, P, H, D);
   at::parallel_for(0, B * P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kbuf(BS * D), vbuf(BS * D), sc(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / P, part = idx % P, first = window_begin(lens[b], window), len = lens[b];
+      const int64_t b = idx / P, part = idx % P;
+      const PartSpan span = part_span(window_begin(lens[b], window), lens[b], BS, P, part);
+      if (span.empty()) continue;
       const int64_t* table = tables + b * max_blocks;
-      float* m = part_m.data() + idx * H;
-      float* l = part_l.data() + idx * H;
-      float* acc = part_acc.data() + idx * H * D;
-      std::fill(m, m + H, -std::numeric_limits<float>::infinity());
-      std::fill(l, l + H, 0.f);
-      std::fill(acc, acc + H * D, 0.f);
-      // this part's blocks: an equal share of the blocks holding positions [first, len)
-      const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
-      const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per, pb1 = std::min(blk0 + nblk, pb0 + per);
-      if (pb0 >= pb1) continue;
+      float* m = st.m.data() + st.at(b, part, 0);
+      float* l = st.l.data() + st.at(b, part, 0);
+      float* acc = st.acc.data() + st.at(b, part, 0) * D;
       for (int64_t kh = 0; kh < KVH; ++kh) scaled_queries(q, b, kh, H, G, D, scale, qf.data() + kh * G * D);
-      for (int64_t blk = pb0; blk < pb1; ++blk) {
-        const int64_t t0 = blk * BS, i0 = std::max<int64_t>(0, first - t0), n = std::min(BS, len - t0);
+      for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
+        const int64_t i0 = std::max<int64_t>(0, span.begin - t0), n = std::min(BS, span.end - t0);
         for (int64_t kh = 0; kh < KVH; ++kh) {
-          const Rows kr = ks.rows(table[blk], kh, n, kbuf.data());
+          const Rows kr = ks.rows(table[t0 / BS], kh, n, kbuf.data());
           for (int64_t g = 0; g < G; ++g) {
             const int64_t h = kh * G + g;
             float* s = sc.data() + g * BS;
@@ -435,36 +485,21 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
             if (c != 1.f)
               for (int64_t d = 0; d < D; ++d) a[d] *= c;
           }
-          const Rows vr = vs.rows(table[blk], kh, n, vbuf.data());
+          const Rows vr = vs.rows(table[t0 / BS], kh, n, vbuf.data());
           for (int64_t g = 0; g < G; ++g) block_accumulate(acc + (kh * G + g) * D, sc.data() + g * BS, vr, i0, n, D);
         }
       }
     }
   });
-  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
-    std::vector<float> o(D);
-    for (int64_t bh = begin; bh < end; ++bh) {
-      const int64_t b = bh / H, h = bh % H;
-      float M = -std::numeric_limits<float>::infinity(), sum = 0.f;
-      for (int64_t p = 0; p < P; ++p) M = std::max(M, part_m[(b * P + p) * H + h]);
-      std::fill(o.begin(), o.end(), 0.f);
-      for (int64_t p = 0; p < P; ++p) {
-        const int64_t at = (b * P + p) * H + h;
-        if (part_l[at] == 0.f) continue;  // a part with no positions
-        const float w = std::exp(part_m[at] - M);
-        sum += part_l[at] * w;
-        const float* a = part_acc.data() + at * D;
-        for (int64_t d = 0; d < D; ++d) o[d] += w * a[d];
-      }
-      for (int64_t d = 0; d < D; ++d) out[bh * D + d] = static_cast<scalar_t>(o[d] / sum);
-    }
-  });
+  merge_parts(st, out, B);
 }
 
 #if defined(__AVX512F__)
-// The same computation with AVX-512 when head_dim is 16, 32, 64 or 128: a row is D/16 vectors,
-// each query head's dot product is D/16 FMAs and one horizontal sum, and the exponentials are
-// evaluated 16 at a time. Same two passes, same fp32 arithmetic up to summation order.
+// The same computation with AVX-512 when head_dim is 16, 32, 64, 128 or 256: a row is D/16
+// vectors, each query head's dot product is D/16 FMAs and one horizontal sum, and the
+// exponentials are evaluated 16 at a time. Contexts are cut into the same parts (one task a
+// (sequence, part, K/V head)); within a part the softmax takes two passes over its blocks (all
+// scores, then the weighted sum of V), and the parts are merged as above.
 
 using kvserve::exp16;  // vec_math.h
 
@@ -503,68 +538,86 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
   return hsum16(acc);
 }
 
+// The scores of a part's positions against the G query heads of K/V head kh (qf [G, D], scaled):
+// s[g * Lp + t] for position span.begin + t, 16 rows of a block at a time.
+template <int NV, typename KSrc>
+void part_scores(const float* qf, const KSrc& ks, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
+                 int64_t G, int64_t Lp, float* buf, float* s) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
+    const int64_t n = std::min(BS, span.end - t0);
+    const Rows r = ks.rows(table[t0 / BS], kh, n, buf);
+    for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
+      const Rows rows16{r.ptr + i0 * r.stride, r.stride};
+      const int64_t m = std::min<int64_t>(16, n - i0);
+      for (int64_t g = 0; g < G; ++g)
+        _mm512_mask_storeu_ps(s + g * Lp + t0 + i0 - span.begin, static_cast<__mmask16>((1u << m) - 1),
+                              scores16<NV>(qf + g * D, rows16, m));
+    }
+  }
+}
+
+// s[t] = e^(s[t] - m) for t < L, 16 at a time (s has room for Lp, a multiple of 16: the padding
+// gets -inf and so weight 0); returns m, the largest score, and l, the sum of the e^(s[t] - m).
+inline std::pair<float, float> part_softmax(float* s, int64_t L, int64_t Lp) {
+  for (int64_t t = L; t < Lp; ++t) s[t] = -std::numeric_limits<float>::infinity();
+  __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(s + t));
+  const float mx = _mm512_reduce_max_ps(m);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < Lp; t += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + t), _mm512_set1_ps(mx)));
+    _mm512_storeu_ps(s + t, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  return {mx, _mm512_reduce_add_ps(sum)};
+}
+
+// acc [G, D] = sum over a part's positions t of p[g * Lp + t] * v_t, for the G query heads of
+// K/V head kh (G <= 8 on this path), the outputs in registers while the part's rows are added.
+template <int NV, typename VSrc>
+void part_values(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
+                 int64_t G, int64_t Lp, float* buf, float* acc) {
+  __m512 o[8][NV];
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
+  for_each_row(vs, table, span.begin, span.end, BS, kh, buf, [&](int64_t t, const float* v) {
+    __m512 vv[NV];
+    for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * Lp + t]);
+      for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
+    }
+  });
+  for (int64_t g = 0; g < G; ++g)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g * NV + j) * 16, o[g][j]);
+}
+
 template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
 void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* tables, const int64_t* lens,
                    scalar_t* out, int64_t B, int64_t H, int64_t KVH, int64_t BS, int64_t max_blocks, float scale,
                    int64_t window) {
   constexpr int64_t D = NV * 16;
-  const int64_t G = H / KVH;
-  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+  const int64_t G = H / KVH, P = parts_per_sequence(B, longest_attended(lens, B, window));
+  PartStates st(B, P, H, D);
+  at::parallel_for(0, B * P * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), buf(BS * D), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
-      const int64_t b = idx / KVH, kh = idx % KVH, first = window_begin(lens[b], window), L = lens[b] - first;
+      const int64_t b = idx / (P * KVH), part = idx / KVH % P, kh = idx % KVH;
+      const PartSpan span = part_span(window_begin(lens[b], window), lens[b], BS, P, part);
+      if (span.empty()) continue;
       const int64_t* table = tables + b * max_blocks;
-      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
-      const int64_t Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
+      const int64_t L = span.end - span.begin, Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
-      // pass 1: scores, 16 tokens of a block at a time (score i is position first + i)
-      for (int64_t t0 = first / BS * BS; t0 < lens[b]; t0 += BS) {
-        const int64_t n = std::min(BS, lens[b] - t0);
-        const Rows r = ks.rows(table[t0 / BS], kh, n, buf.data());
-        for (int64_t i0 = std::max<int64_t>(0, first - t0); i0 < n; i0 += 16) {
-          const Rows part{r.ptr + i0 * r.stride, r.stride};
-          const int64_t m = std::min<int64_t>(16, n - i0);
-          for (int64_t g = 0; g < G; ++g) {
-            const __m512 s16 = scores16<NV>(qf.data() + g * D, part, m);
-            _mm512_mask_storeu_ps(scores.data() + g * Lp + t0 + i0 - first, static_cast<__mmask16>((1u << m) - 1), s16);
-          }
-        }
-      }
-      // softmax numerators, 16 at a time; the padding gets -inf and so weight 0
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * Lp;
-        for (int64_t t = L; t < Lp; ++t) sg[t] = -std::numeric_limits<float>::infinity();
-        __m512 m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < Lp; t += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(sg + t));
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
-        __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < Lp; t += 16) {
-          const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sg + t), mx));
-          _mm512_storeu_ps(sg + t, e);
-          sum = _mm512_add_ps(sum, e);
-        }
-        const float inv = 1.f / _mm512_reduce_add_ps(sum);
-        for (int64_t t = 0; t < L; ++t) sg[t] *= inv;
-      }
-      // pass 2: weighted sum of V
-      __m512 o[8][NV];  // G <= 8 on this path
+      scaled_queries(q, b, kh, H, G, D, scale, qf.data());
+      part_scores<NV>(qf.data(), ks, table, span, BS, kh, G, Lp, buf.data(), scores.data());
+      const int64_t at = st.at(b, part, kh * G);  // the G heads of kh are consecutive
       for (int64_t g = 0; g < G; ++g)
-        for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
-      for_each_row(vs, table, first, lens[b], BS, kh, buf.data(), [&](int64_t t, const float* v) {
-        __m512 vv[NV];
-        for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 p = _mm512_set1_ps(scores[g * Lp + t]);
-          for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(p, vv[j], o[g][j]);
-        }
-      });
-      for (int64_t g = 0; g < G; ++g) {
-        float tmp[D];
-        for (int j = 0; j < NV; ++j) _mm512_storeu_ps(tmp + 16 * j, o[g][j]);
-        for (int64_t d = 0; d < D; ++d) out[(b * H + kh * G + g) * D + d] = static_cast<scalar_t>(tmp[d]);
-      }
+        std::tie(st.m[at + g], st.l[at + g]) = part_softmax(scores.data() + g * Lp, L, Lp);
+      part_values<NV>(scores.data(), vs, table, span, BS, kh, G, Lp, buf.data(), st.acc.data() + at * D);
     }
   });
+  merge_parts(st, out, B);
 }
 #endif
 
@@ -582,6 +635,7 @@ void decode(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int64_t* ta
         case 32: return std::apply(decode_avx512<scalar_t, 2, KSrc, VSrc>, args);
         case 64: return std::apply(decode_avx512<scalar_t, 4, KSrc, VSrc>, args);
         case 128: return std::apply(decode_avx512<scalar_t, 8, KSrc, VSrc>, args);
+        case 256: return std::apply(decode_avx512<scalar_t, 16, KSrc, VSrc>, args);
         default: break;
       }
     }

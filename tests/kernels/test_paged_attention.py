@@ -1,0 +1,125 @@
+"""The paged decode kernel where contexts are cut into parts: batch 1 over short and long contexts
+(one part, a block and a token either side of one, many parts), sliding windows that start the
+first part inside a block, every cache format and head dims 64/128/256, on every level this CPU
+runs and 1 or 2 threads (the number of parts follows the thread count), against the torch
+backend over the same blocks (gathered, dequantized, SDPA)."""
+
+import functools
+
+import pytest
+import torch
+
+from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.cpu_kernel import decode_kernel
+from kvserve.attention.torch_backend import TorchAttentionBackend
+from kvserve.kv.storage import KVStorage, make_storage
+from tests.conftest import compiled_kernel, kernel_isas
+
+BLOCK = 16
+FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
+SHAPES = {"d64": (9, 3, 64), "d128": (8, 2, 128), "d256": (4, 1, 256)}  # (H, KVH, D)
+
+
+@pytest.fixture(scope="module", params=kernel_isas("paged_attention"))
+def module(request):
+    built = compiled_kernel("paged_attention", request.param)
+    assert built.isa() == request.param
+    return built
+
+
+@functools.lru_cache(maxsize=64)
+def filled(fmt: str, kvh: int, d: int, length: int) -> tuple[KVStorage, torch.Tensor]:
+    """A one-layer storage of format `fmt` holding one context of `length` random tokens in
+    shuffled blocks, written up to 100 tokens a step (an int4 context that does not fill its last
+    block leaves it open, in its residual slot), and its block table [1, blocks]."""
+    g = torch.Generator().manual_seed(length + d)
+    kind = {"float32": "dense", "bfloat16": "dense", "float16": "dense"}.get(fmt, fmt.split("_")[0])
+    nb = -(-length // BLOCK) + 1
+    storage = make_storage(kind, fmt, [0], nb, BLOCK, kvh, d, torch.float32, "cpu", num_residual_slots=1)
+    if kind == "fp8":
+        storage.set_scales(torch.rand(1, 2, kvh, generator=g) * 0.02 + 0.01)
+    table = torch.randperm(nb, generator=g)[:-1]  # one block left over: the null block below
+    slots = (table.unsqueeze(-1) * BLOCK + torch.arange(BLOCK)).reshape(-1)[:length]
+    for start in range(0, length, 100):
+        step = slots[start:start + 100]
+        storage.begin_step()
+        k, v = torch.randn(len(step), kvh, d, generator=g) * 2, torch.randn(len(step), kvh, d, generator=g)
+        storage.write(0, k, v, storage.plan_writes(step))
+    return storage, table.unsqueeze(0)
+
+
+def null_block(storage: KVStorage, table: torch.Tensor) -> int:
+    """The block no context holds (what a sliding-window group gives back is read as)."""
+    return (set(range(storage.num_blocks)) - set(table.flatten().tolist())).pop()
+
+
+def torch_decode(q: torch.Tensor, storage: KVStorage, table: torch.Tensor, lens: torch.Tensor,
+                 window: int) -> torch.Tensor:
+    backend = TorchAttentionBackend(BLOCK, torch.float32)
+    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=len(lens), decode_block_tables=table,
+                                                    decode_context_lens=lens, decode_max_context=int(lens.max()),
+                                                    sliding_window=window or None), None)
+    return backend.decode(0, q, storage, meta, q.shape[-1] ** -0.5)
+
+
+def kernel_errors(module, q: torch.Tensor, storage: KVStorage, table: torch.Tensor, lens: torch.Tensor,
+                  window: int = 0) -> list[float]:
+    """The kernel's largest difference from torch at 1 and at 2 threads."""
+    ref = torch_decode(q, storage, table, lens, window)
+    kernel, errors = decode_kernel(module, storage), []
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            out = kernel(q, *storage.decode_operands(0), table, lens, q.shape[-1] ** -0.5, window)
+            assert torch.isfinite(out).all()
+            errors.append((out - ref).abs().max().item())
+    finally:
+        torch.set_num_threads(before)
+    return errors
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 700, 3000])
+def test_batch_of_one_split_into_parts_equals_torch(module, fmt, shape, length):
+    H, KVH, D = SHAPES[shape]
+    storage, table = filled(fmt, KVH, D, length)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(1))
+    assert max(kernel_errors(module, q, storage, table, torch.tensor([length]))) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("window", [1, 37, 100, 700, 2999])
+def test_window_that_cuts_the_first_part_inside_a_block(module, fmt, window):
+    """The context's first attended position falls inside a block (3000 - window is not a multiple
+    of 16 but for window 1): the first part starts there, and blocks wholly behind the window are
+    the null block, never read."""
+    H, KVH, D = SHAPES["d64"]
+    storage, table = filled(fmt, KVH, D, 3000)
+    behind = table.clone()
+    behind[0, :(3000 - window) // BLOCK] = null_block(storage, table)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(2))
+    assert max(kernel_errors(module, q, storage, behind, torch.tensor([3000]), window)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "int4"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_dominant_token_leaves_the_other_parts_weightless(module, fmt, shape):
+    """Sharp scores: one part holds nearly all the weight and the others' underflow to 0 when
+    the parts are merged."""
+    H, KVH, D = SHAPES[shape]
+    storage, table = filled(fmt, KVH, D, 3000)
+    q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(3)) * 40
+    assert max(kernel_errors(module, q, storage, table, torch.tensor([3000]))) < 1e-4
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8", "fp8_e4m3", "int4"])
+def test_head_dim_256_over_a_batch_with_windows(module, fmt):
+    """Gemma 3's head dim (256, one K/V head for four query heads) over a batch of contexts of
+    different lengths, some longer than the window and some shorter."""
+    H, KVH, D = SHAPES["d256"]
+    storage, table = filled(fmt, KVH, D, 3000)
+    lens = torch.tensor([3000, 1000, 17, 1])  # one table read to different lengths
+    q = torch.randn(4, H, D, generator=torch.Generator().manual_seed(4))
+    assert max(kernel_errors(module, q, storage, table.expand(4, -1).contiguous(), lens, 512)) < 1e-5
