@@ -343,8 +343,10 @@ class Scheduler:
                              scheduled: list[ScheduledSequence]) -> list[int]:
         """Allocate for the gang, preempting the worst running gangs not yet scheduled this step
         until it fits; returns the new tokens each member computes ([]: the gang had to go)."""
-        taken = {s.request_id for s in scheduled}
+        taken: Optional[set[str]] = None  # made once a victim is needed: O(batch) per gang otherwise
         while not (allocated := self._allocate(gang, sizes, specs)):
+            if taken is None:
+                taken = {s.request_id for s in scheduled}
             # a paused request computes nothing meanwhile: it gives its blocks up first
             victim = max((r for r in self.running if r.request_id not in taken), key=self._victim_rank)
             if victim in gang and len(self.running) == len(gang):

@@ -198,7 +198,7 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
             cos, sin = rope.angles(positions)
             q, k, v = rope_qkv(self.fused_qkv.fused.forward(x), cos, sin, heads, kv_heads)
             out = self.attn.forward(q, k, v, ctx)
-            return self.o_proj.forward(out.reshape(x.shape[0], -1))  # type: ignore[no-any-return]
+            return self.o_proj.forward(out.flatten(1))  # type: ignore[no-any-return]
         return {"forward": forward}
 
 

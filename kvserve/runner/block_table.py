@@ -2,7 +2,8 @@
 
 The scheduler sends only what changed in a table (new blocks, a copied last block, a rollback);
 each request owns a row of one int64 tensor, so a step's slot mapping and the decodes' tables
-are tensor gathers whatever the context length:
+are tensor gathers whatever the context length; a list per request mirrors its row, so a
+decode step's few slots are Python arithmetic (`slot`) instead of tensor ops:
 
     rows     request a -> 0, request b -> 1
     table    [[ 7  3  9 12  N  N ...]      N: the null block (unused entries)
@@ -16,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from kvserve.core.block_math import cdiv
+from kvserve.core.block_math import cdiv, slot_of
 
 
 class BlockTables:
@@ -25,6 +26,7 @@ class BlockTables:
         self.null_block_id, self.block_size, self.device = null_block_id, block_size, device
         self.table = torch.full((num_rows, max_blocks_per_seq), null_block_id, dtype=torch.long)
         self.rows: dict[str, int] = {}
+        self.block_ids: dict[str, list[int]] = {}  # each request's row as a list (entries past its end stale)
         self._free_rows = list(range(num_rows - 1, -1, -1))
 
     def update(self, request_id: str, start: int, block_ids: Sequence[int]) -> None:
@@ -37,10 +39,15 @@ class BlockTables:
             self._grow(cols=max(end, 2 * self.table.shape[1]))
         if block_ids:
             self.table[row, start:end] = torch.tensor(block_ids, dtype=torch.long)
+        mirror = self.block_ids.setdefault(request_id, [])
+        if len(mirror) < start:
+            mirror += [self.null_block_id] * (start - len(mirror))
+        mirror[start:end] = block_ids
 
     def forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             row = self.rows.pop(rid, None)
+            self.block_ids.pop(rid, None)
             if row is not None:
                 self._free_rows.append(row)
 
@@ -56,6 +63,10 @@ class BlockTables:
         """[T] slots of positions [T] of the rows [T] (one row per token), on the device."""
         blocks = self.table[rows, positions // self.block_size]
         return (blocks * self.block_size + positions % self.block_size).to(self.device)
+
+    def slot(self, request_id: str, position: int) -> int:
+        """The slot of one position of a request, from its list (no tensor op)."""
+        return slot_of(self.block_ids[request_id], position, self.block_size)
 
     def _take_row(self) -> int:
         if not self._free_rows:

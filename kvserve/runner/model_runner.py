@@ -264,6 +264,12 @@ class ModelRunner:
     def prepare(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
         if self.storage is None:
             return self._prepare_recompute(seqs)
+        if self._is_plain_decode_step(seqs):
+            return self._prepare_decodes(seqs)
+        return self._prepare_mixed(seqs)
+
+    def _prepare_mixed(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
+        """Any step over the cache: decodes first, then chunks, in tensor ops."""
         decodes = [s for s in seqs if self._as_decode(s)]
         chunks = [s for s in seqs if not self._as_decode(s)]
         ordered = decodes + chunks
@@ -279,17 +285,48 @@ class ModelRunner:
         common = [self._group_metadata(g, ordered, len(decodes), pos, counts) for g in range(self.layout.num_groups)]
         return self._model_input(ids, pos, common, ordered)
 
+    def _is_plain_decode_step(self, seqs: Sequence[ScheduledSequence]) -> bool:
+        """Every row a single-token decode (the steady state of generation), no attention sinks."""
+        return not any(self.layout.group_sinks) and all(s.num_tokens == 1 and s.start_position > 0 for s in seqs)
+
+    def _prepare_decodes(self, seqs: Sequence[ScheduledSequence]) -> ModelInput:
+        """What `prepare` builds for a step of single-token decodes, made from Python lists in
+        one tensor [3 + 2 groups, B] (ids, positions, context lengths, each group's slots and
+        table rows; a row is sequence i's token), and one gather of each group's tables: a
+        handful of tensor ops whatever the batch, where the general path takes a few per group."""
+        positions = [s.start_position for s in seqs]
+        slots = [[t.slot(s.request_id, s.start_position) for s in seqs] for t in self.tables]
+        rows = [[t.rows[s.request_id] for s in seqs] for t in self.tables]
+        flat = torch.tensor([[s.input_token_ids[0] for s in seqs], positions, [p + 1 for p in positions],
+                             *slots, *rows], dtype=torch.long)  # [3 + 2 groups, B]
+        on_device = flat if self.device.type == "cpu" else flat.to(self.device)
+        ids, pos, context_lens, *group_slots = on_device[:3 + len(self.tables)].unbind(0)
+        group_rows = flat[3 + len(self.tables):].unbind(0)
+        max_context = max(positions) + 1
+        self.model.ensure_rope(max_context)
+        common = [AttentionMetadata(slot_mapping=group_slots[g], num_decode_tokens=len(seqs),
+                                    sliding_window=self.layout.group_windows[g], decode_max_context=max_context,
+                                    decode_block_tables=self.tables[g].tables(group_rows[g], max_context),
+                                    decode_context_lens=context_lens) for g in range(self.layout.num_groups)]
+        return ModelInput(ids, pos, common, list(seqs), list(range(1, len(seqs) + 1)))
+
     def context(self, common: list[AttentionMetadata]) -> ForwardContext:
         """The step's forward context from each group's common metadata: the storage plans its
         writes, the backend adds what it needs. Every tensor-parallel rank does this on its own
-        storage from rank 0's common metadata."""
-        if self.storage is not None:
-            self.storage.begin_step()
+        storage from rank 0's common metadata (which stays as it was: the plan goes into the
+        backend's copy, or a copy made here where the backend adds nothing)."""
+        if self.storage is None:
+            return ForwardContext(None, [self.backend.build_metadata(meta, None) for meta in common])
+        self.storage.begin_step()
         metadata = []
         for meta in common:
-            if self.storage is not None:
-                meta = dataclasses.replace(meta, kv_write_plan=self.storage.plan_writes(meta.slot_mapping))
-            metadata.append(self.backend.build_metadata(meta, self.storage))
+            plan = self.storage.plan_writes(meta.slot_mapping)  # before the backend reads the storage
+            built = self.backend.build_metadata(meta, self.storage)
+            if built is meta:
+                built = dataclasses.replace(meta, kv_write_plan=plan)
+            else:
+                built.kv_write_plan = plan
+            metadata.append(built)
         return ForwardContext(self.storage, metadata)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -378,6 +415,12 @@ class ModelRunner:
     def _sample(self, hidden: torch.Tensor, inp: ModelInput) -> ModelRunnerOutput:
         """Logits for the rows each sequence needs (its last row; with proposals, the last
         input and every proposal; more where it asked), then tokens."""
+        if self._samples_every_row(hidden, inp):  # the decode steady state: no rows to pick
+            result = ModelRunnerOutput({})
+            self._sample_plain(inp.seqs, self.model.compute_logits(hidden), result)
+            if self.fault_hook is not None:
+                self.fault_hook("sample", inp.seqs)
+            return result
         wanted = [(s, end, max(len(s.spec_token_ids) + 1 if s.num_samples else 0, s.num_logit_rows))
                   for s, end in zip(inp.seqs, inp.row_ends)]
         wanted = [w for w in wanted if w[2]]
@@ -398,6 +441,13 @@ class ModelRunner:
             if s.num_logit_rows:
                 result.logits[s.request_id] = per_seq[s.request_id][-s.num_logit_rows:]
         return result
+
+    @staticmethod
+    def _samples_every_row(hidden: torch.Tensor, inp: ModelInput) -> bool:
+        """One row per sequence, each sampling its next token from it (no proposals to verify,
+        no other logits asked): the logits of all the rows, in order, are what sampling needs."""
+        return hidden.shape[0] == len(inp.seqs) and all(
+            s.num_samples and not s.spec_token_ids and not s.num_logit_rows for s in inp.seqs)
 
     def _sample_plain(self, seqs: list[ScheduledSequence], rows: torch.Tensor, result: ModelRunnerOutput) -> None:
         if self.on_logits:

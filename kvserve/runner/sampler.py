@@ -217,6 +217,14 @@ class Sampler:
                  ) -> tuple[list[list[int]], list[Optional[list[dict[int, float]]]]]:
         """logits [N, vocab] fp32, one row per sequence -> num_samples ids per sequence, each
         for the sequence's next output position (n > 1: the n samples of the fork point)."""
+        if self.structured is None and all(is_plain_greedy(s.sampling_params) for s in seqs):
+            return greedy_tokens(logits, seqs), [None] * len(seqs)
+        return self.general(logits, seqs)
+
+    def general(self, logits: torch.Tensor, seqs: Sequence[ScheduledSequence]
+                ) -> tuple[list[list[int]], list[Optional[list[dict[int, float]]]]]:
+        """What __call__ does for any batch: biases, masks, penalties, greedy rows and draws,
+        logprobs (a batch of plain greedy rows gives the same tokens through greedy_tokens)."""
         raw = logits
         logits = with_logit_bias(logits, [s.sampling_params for s in seqs])
         if self.structured is not None:
@@ -285,6 +293,20 @@ class Sampler:
             if i == len(spec) or tokens[i] != spec[i]:
                 break
         return tokens
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes the logits before the argmax (bias, penalties) and no
+    logprobs to report: the token is the row's argmax and nothing else is asked."""
+    return (params.is_greedy and not params.logit_bias and not params.has_penalties
+            and params.logprobs is None)
+
+
+def greedy_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> list[list[int]]:
+    """Each row's argmax (the first of tied maxima, as Sampler.general takes it), num_samples
+    times: a plain greedy batch in one tensor op and one list, whatever its size."""
+    ids = logits.argmax(-1).tolist()
+    return [[t] * s.num_samples for t, s in zip(ids, seqs)]
 
 
 def _logprobs(row: torch.Tensor, chosen: list[int], k: Optional[int]) -> Optional[list[dict[int, float]]]:

@@ -23,3 +23,21 @@ def test_deltas_rows_and_slots():
     assert t.rows["c"] == rows[0].item() and t.tables(t.row_index(["c"]), 4).tolist() == [[1]]
     t.update("c", 1, [])  # a rollback that only shortened the table: nothing to write
     assert t.tables(t.row_index(["c"]), 4).tolist() == [[1]]
+
+
+def test_slot_from_the_list_equals_the_tensor_gather():
+    """Each request's list mirrors its row through appends, a copy-on-write replacement, a
+    rollback, a gap (an entry set past the end) and a row taken back after a forget."""
+    t = BlockTables(NULL, 4, max_blocks_per_seq=2, device=torch.device("cpu"), num_rows=1)
+    t.update("a", 0, [7, 3])
+    t.update("b", 0, [5, 1, 9])
+    t.update("a", 1, [8, 2, 6])
+    t.update("b", 1, [])  # a rollback: nothing written, the entries past the end are stale
+    t.forget(["b"])
+    t.update("c", 0, [4])  # b's row, whose tensor entries 1 and 2 still hold 1 and 9
+    t.update("c", 2, [11])  # entry 1 left as it was
+    for rid, positions in (("a", range(16)), ("c", [0, 3, 8, 11])):
+        rows = torch.full((len(positions),), t.rows[rid], dtype=torch.long)
+        expected = t.slots(rows, torch.tensor(list(positions))).tolist()
+        assert [t.slot(rid, p) for p in positions] == expected
+    assert t.slot("a", 13) == 6 * 4 + 1 and "b" not in t.block_ids
