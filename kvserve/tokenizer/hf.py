@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from kvserve.tokenizer.base import Tokenizer
+from kvserve.tokenizer.merges import scored_merges, vocabulary_merges
 
 log = logging.getLogger(__name__)
 
@@ -37,17 +40,30 @@ UNSERVED_PRE_TOKENIZERS = ("default", "deepseek-llm", "deepseek-coder", "deepsee
                            "poro-chat", "bloom", "gpt3-finnish", "viking", "tekken", "chameleon", "superbpe",
                            "bailingmoe", "bailingmoe2", "llada-moe", "seed-coder", "kimi-k2", "afmoe")
 _warned_pre: set[str] = set()
-CONTROL, USER_DEFINED = 3, 4  # GGUF token types that are special tokens
+UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types that are special tokens
 
 
 class HFTokenizer(Tokenizer):
-    def __init__(self, tok, bos_token_id: Optional[int], eos_token_ids: Sequence[int],
+    """`tok`: a tokenizers.Tokenizer, or a Future of one still being built (background_build):
+    the first use that needs it waits for it."""
+
+    def __init__(self, tok: Any, bos_token_id: Optional[int], eos_token_ids: Sequence[int],
                  add_bos: bool = False, chat_template: Optional[str] = None) -> None:
-        self.tok = tok
+        self._tok = tok
         self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
         self.add_bos, self.chat_template = add_bos, chat_template
-        self.bos_token = tok.id_to_token(bos_token_id) or "" if bos_token_id is not None else ""
-        self.eos_token = tok.id_to_token(self.eos_token_ids[0]) or "" if self.eos_token_ids else ""
+
+    @functools.cached_property
+    def tok(self) -> Any:
+        return self._tok.result() if isinstance(self._tok, Future) else self._tok
+
+    @functools.cached_property
+    def bos_token(self) -> str:  # type: ignore[override]
+        return self.tok.id_to_token(self.bos_token_id) or "" if self.bos_token_id is not None else ""
+
+    @functools.cached_property
+    def eos_token(self) -> str:  # type: ignore[override]
+        return self.tok.id_to_token(self.eos_token_ids[0]) or "" if self.eos_token_ids else ""
 
     @property
     def vocab_size(self) -> int:
@@ -140,50 +156,105 @@ def pre_tokenizer_regex(pre: str) -> str:
 
 
 SPACE = "\u2581"  # sentencepiece's visible space
-END_OF_TURN_TEXTS = ("<end_of_turn>",)  # control tokens llama.cpp ends a generation on by their text
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|end|>")  # control tokens llama.cpp ends a generation on by their text
+
+
+@dataclass(frozen=True)
+class SpmStyle:
+    """How a sentencepiece-style vocabulary ('llama' in GGUF terms, no merges in the file) becomes
+    a BPE, as transformers builds it from the same file (and llama.cpp encodes alike):
+
+        merges_by_score   False: every split of a token into two tokens is a merge, ranked by the
+                          token's place in the file (Gemma: its scores do not follow its merge
+                          order); True: ranked by the token's score, best first (sentencepiece's
+                          BPE: Llama 2, Phi-3)
+        add_space_prefix  a space before the text and after each special token (sentencepiece's
+                          dummy prefix), dropped again when decoding
+        rstrip_specials   control tokens swallow the whitespace after them, but for those named in
+                          keep_whitespace_after (llama.cpp's RSTRIP attribute for Phi-3's tokens)
+    """
+    merges_by_score: bool = False
+    add_space_prefix: bool = False
+    rstrip_specials: bool = False
+    keep_whitespace_after: tuple[str, ...] = ()
+
+    def check(self, scores: Optional[Sequence[float]], num_tokens: int) -> None:
+        if self.merges_by_score and (scores is None or len(scores) < num_tokens):
+            raise ValueError("a vocabulary whose merges follow its scores needs tokenizer.ggml.scores for every token")
+
+    def merges(self, vocab: dict[str, int], scores: Optional[Sequence[float]] = None) -> list[tuple[str, str]]:
+        if not self.merges_by_score:
+            return vocabulary_merges(vocab)
+        self.check(scores, len(vocab))
+        assert scores is not None
+        return scored_merges(vocab, scores)
+
+    def rstrip(self, token: str) -> bool:
+        return self.rstrip_specials and token not in self.keep_whitespace_after
+
+
+GEMMA_STYLE = SpmStyle()
+PHI3_STYLE = SpmStyle(merges_by_score=True, add_space_prefix=True, rstrip_specials=True,
+                      keep_whitespace_after=("<unk>", "<s>", "<|endoftext|>"))
 
 
 def from_gguf_spm(tokens: Sequence[str], token_types: Sequence[int], bos_token_id: Optional[int],
-                  eos_token_ids: Sequence[int], add_bos: bool, chat_template: Optional[str]) -> HFTokenizer:
-    """A sentencepiece-style vocabulary ('llama' in GGUF terms) without a prefix space, as Gemma
-    stores it: BPE over the text with spaces written as U+2581, byte fallback to <0xXX> tokens,
-    and no merges in the file. They are the vocabulary's own: every token that splits into two
-    tokens is a merge, ranked by the token's place in the file (Gemma's scores do not follow its
-    merge order). This is the tokenizer transformers builds from the same file, so both encode
-    alike; control tokens are special, user-defined ones (Gemma's newline runs) matched whole."""
-    from tokenizers import AddedToken, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import Tokenizer as RawTokenizer
+                  eos_token_ids: Sequence[int], add_bos: bool, chat_template: Optional[str],
+                  style: SpmStyle = GEMMA_STYLE, scores: Optional[Sequence[float]] = None) -> HFTokenizer:
+    """A sentencepiece-style vocabulary read as `style` says: BPE over the text with spaces written
+    as U+2581, byte fallback to <0xXX> tokens, merges implied by the vocabulary (SpmStyle). This
+    is the tokenizer transformers builds from the same file, so both encode alike; control tokens
+    and the unknown token are special, user-defined ones (Gemma's newline runs) matched whole."""
+    style.check(scores, len(tokens))  # refused now, not at the first encode
+    last = {t: i for i, t in enumerate(tokens) if t in END_OF_TURN_TEXTS}
+    eos = list(eos_token_ids) + [i for i in last.values() if i < len(token_types) and token_types[i] == CONTROL
+                                 and i not in eos_token_ids]
+    merges = functools.partial(style.merges, scores=scores)
+    build = functools.partial(_build_spm, list(tokens), list(token_types), style, merges)
+    return HFTokenizer(background_build(build) if len(tokens) >= BACKGROUND_MIN_TOKENS else build(),
+                       bos_token_id, eos, add_bos, chat_template)
 
+
+def _build_spm(tokens: list[str], token_types: list[int], style: SpmStyle, merges: Any) -> Any:
+    from tokenizers import AddedToken, Tokenizer as RawTokenizer, models
     spelled = [SPACE * len(t) if t and not t.strip(" ") else t for t in tokens]  # "  " stored as spaces
     vocab = {t: i for i, t in enumerate(spelled)}
-    tok = RawTokenizer(models.BPE(vocab=vocab, merges=vocabulary_merges(vocab), unk_token=_unk(spelled),
+    tok = RawTokenizer(models.BPE(vocab=vocab, merges=merges(vocab), unk_token=_unk(spelled),
                                   fuse_unk=True, byte_fallback=True))
-    tok.normalizer = normalizers.Replace(" ", SPACE)
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    _spm_pipeline(tok, style)
     kinds = list(zip(tokens, token_types))
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in kinds if k == CONTROL])
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False, rstrip=style.rstrip(t))
+                            for t, k in kinds if k in (CONTROL, UNKNOWN)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)  # the respelled space runs are plain vocabulary
                     for t, k in kinds if k == USER_DEFINED and t in vocab])
-    eos = list(eos_token_ids) + [vocab[t] for t in END_OF_TURN_TEXTS
-                                 if t in vocab and token_types[vocab[t]] == CONTROL and vocab[t] not in eos_token_ids]
-    return HFTokenizer(tok, bos_token_id, eos, add_bos, chat_template)
+    return tok
 
 
-def vocabulary_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
-    """Every (left, right) pair of tokens whose concatenation is a token, best first: the earlier
-    the concatenation in the vocabulary, the better; for one token, the longer left part first.
+# A large vocabulary's tokenizer is built on a thread of its own (tokenizers' BPE over Gemma's 515,000
+# merges: about a second that no faster construction removes), while the weights load and the engine
+# is built; the first encode or decode waits for what is left of it.
+BACKGROUND_MIN_TOKENS = 100_000
+_builder: Optional[ThreadPoolExecutor] = None
 
-        vocab  a:0 b:1 ab:2 c:3 abc:4 bc:5   ->   (a, b) (ab, c) (a, bc) (b, c)
-    """
-    merges = []
-    for token, rank in vocab.items():
-        for cut in range(len(token) - 1, 0, -1):  # longer left part first
-            left, right = token[:cut], token[cut:]
-            if left in vocab and right in vocab:
-                merges.append((rank, left, right))
-    merges.sort(key=lambda m: m[0])  # stable: within a token the order above stays
-    return [(left, right) for _, left, right in merges]
+
+def background_build(build: Any) -> "Future[Any]":
+    global _builder
+    if _builder is None:
+        _builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-build")
+    return _builder.submit(build)
+
+
+def _spm_pipeline(tok: Any, style: SpmStyle) -> None:
+    """Normalizer, pre-tokenizer and decoder: spaces as U+2581 (and a leading one where the style
+    adds a prefix space; decoding drops it)."""
+    from tokenizers import decoders, normalizers, pre_tokenizers
+    if style.add_space_prefix:  # the whole text is one word, as sentencepiece reads it
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend(SPACE), normalizers.Replace(" ", SPACE)])
+    else:
+        tok.normalizer = normalizers.Replace(" ", SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    steps = [decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if style.add_space_prefix else steps)
 
 
 def _unk(tokens: Sequence[str]) -> Optional[str]:

@@ -84,3 +84,25 @@ def test_plain_copy_of_a_sentencepiece_vocabulary():
 def test_vocabulary_merges_best_first():
     vocab = {"a": 0, "b": 1, "ab": 2, "c": 3, "abc": 4, "bc": 5}
     assert hf.vocabulary_merges(vocab) == [("a", "b"), ("ab", "c"), ("a", "bc"), ("b", "c")]
+
+
+def test_scored_merges_best_score_first():
+    vocab = {"a": 0, "b": 1, "ab": 2, "c": 3, "abc": 4, "bc": 5}
+    scores = [-1.0, -2.0, -3.0, -4.0, -0.5, -5.0]
+    assert hf.scored_merges(vocab, scores) == [("ab", "c"), ("a", "bc"), ("a", "b"), ("b", "c")]
+
+
+def test_a_prefix_space_vocabulary_ranks_merges_by_score():
+    """Phi-3's style: a space before the text (dropped again by decoding); with "a b" scored
+    above "▁a" the text "ab" is "▁" + "ab", where place order would give "▁a" + "b"."""
+    tokens = ["<unk>", "<s>", "</s>", "▁", "a", "b", "▁a", "ab", "<|end|>"]
+    types = [2, hf.CONTROL, hf.CONTROL, 1, 1, 1, 1, 1, hf.CONTROL]
+    scores = [0.0, 0.0, 0.0, -10.0, -11.0, -12.0, -2.0, -1.0, 0.0]
+    tok = hf.from_gguf_spm(tokens, types, 1, [2], True, None, hf.PHI3_STYLE, scores)
+    assert tok.encode("ab") == [1, 3, 7] and tok.decode([1, 3, 7]) == "ab"
+    place = hf.from_gguf_spm(tokens, types, 1, [2], True, None, hf.SpmStyle(add_space_prefix=True), scores)
+    assert place.encode("ab") == [1, 6, 5]
+    assert tok.encode("<|end|>\n b", add_special_tokens=False) == [8, 3, 5]  # the newline and space swallowed
+    assert set(tok.eos_token_ids) == {2, 8}
+    with pytest.raises(ValueError, match="tokenizer.ggml.scores"):
+        hf.from_gguf_spm(tokens, types, 1, [2], True, None, hf.PHI3_STYLE, None)

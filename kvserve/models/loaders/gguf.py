@@ -1,7 +1,8 @@
 """GGUF files (llama.cpp): metadata, tensors and the tokenizer (the file itself is read by
 gguf_file.GGUFFile). Matrices in Q8_0, Q4_0 and Q4_1 stay packed (models/packed.PackedWeight,
-the file's own bytes); build_model keeps them packed or dequantizes them (--weight-dtype). Other
-types are dequantized to fp32.
+the file's own bytes); build_model keeps them packed or dequantizes them (--weight-dtype). F16
+and BF16 tensors load as torch float16 / bfloat16 (build_model casts them to the model's dtype, as
+it casts a Hugging Face checkpoint's); other types are dequantized to fp32.
 
 llama.cpp's converter permutes Llama Q/K rows for its interleaved RoPE; loading undoes that so
 the model rotates halves like Hugging Face. Qwen2 files are stored unpermuted (NEOX RoPE).
@@ -22,7 +23,7 @@ from kvserve.models.loaders.base import LoadedModel, ModelLoadError, interleaved
 from kvserve.models.loaders.gguf_file import GGUFFile
 from kvserve.models.loaders.gguf_gemma import GEMMA_ARCHS, GGUF_LAYER_RENAMES, gemma_fields
 from kvserve.models.packed import BY_GGML_TYPE, PackedWeight
-from kvserve.tokenizer.hf import HFTokenizer, from_gguf_bpe, from_gguf_spm
+from kvserve.tokenizer.hf import GEMMA_STYLE, PHI3_STYLE, HFTokenizer, SpmStyle, from_gguf_bpe, from_gguf_spm
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "mistral", *experts.GGUF_MOE_ARCHS, *families.GGUF_ARCHS, *GEMMA_ARCHS,
                    gguf_deepseek.ARCH)
@@ -36,6 +37,7 @@ LAYER_RENAMES = {
 ARCH_LAYER_RENAMES = {**families.GGUF_LAYER_RENAMES, **{a: GGUF_LAYER_RENAMES for a in GEMMA_ARCHS},
                       **{a: gguf_deepseek.GGUF_LAYER_RENAMES for a in ("deepseek_v2", "deepseek_v3")}}
 GLOBAL_RENAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+SPM_STYLES: dict[str, SpmStyle] = {**dict.fromkeys(GEMMA_ARCHS, GEMMA_STYLE), "phi3": PHI3_STYLE}  # 'llama' vocabularies
 
 
 def _open(path: str) -> GGUFFile:
@@ -85,6 +87,7 @@ def load(path: str) -> LoadedModel:
     f = _open(path)
     meta = f.metadata
     cfg = read_config(path, meta)
+    tokenizer = _tokenizer(meta, path)  # first: a large vocabulary builds while the tensors load
     sd: dict[str, torch.Tensor] = {}
     latent: dict[str, torch.Tensor] = {}  # MLA's kv_b pieces and router biases, joined after the loop
     for t in f.tensors:
@@ -99,7 +102,7 @@ def load(path: str) -> LoadedModel:
         name = _hf_name(t.name, cfg.architecture)
         if name is None:
             continue
-        w = _packed(f, t) if t.ggml_type in BY_GGML_TYPE and len(t.shape) == 2 else f.dequantize(t)
+        w = _packed(f, t) if t.ggml_type in BY_GGML_TYPE and len(t.shape) == 2 else f.floats(t)
         sd[name] = _unpermute(name, w, cfg) if cfg.architecture in PERMUTED_ARCHS else w
     if cfg.mla is not None:
         sd.update(gguf_deepseek.latent_tensors(latent, cfg))
@@ -113,7 +116,7 @@ def load(path: str) -> LoadedModel:
         cfg = ModelConfig(**{**cfg.__dict__, "rope_scaling": longrope or cfg.rope_scaling})
     cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": tied,
                          "attention_bias": "model.layers.0.self_attn.q_proj.bias" in sd})
-    return LoadedModel(cfg, sd, _tokenizer(meta, path), f"gguf:{os.path.abspath(path)}:{os.path.getsize(path)}")
+    return LoadedModel(cfg, sd, tokenizer, f"gguf:{os.path.abspath(path)}:{os.path.getsize(path)}")
 
 
 def _hf_name(name: str, arch: str = "llama") -> str | None:
@@ -169,12 +172,19 @@ def _tokenizer(meta: dict[str, Any], path: str) -> HFTokenizer:
 
 
 def _spm_tokenizer(meta: dict[str, Any], path: str, bos: int | None, eos_ids: list[int]) -> HFTokenizer:
-    """A sentencepiece-style vocabulary as Gemma's files store it (no prefix space, merges implied
-    by the vocabulary); other 'llama' vocabularies (Llama 2's, with a prefix space and merges
-    ranked by score) are refused rather than encoded differently from their model's tokenizer."""
+    """A sentencepiece-style vocabulary read as its family writes it (hf.SpmStyle): Gemma's (no
+    prefix space, merges in the vocabulary's order) and Phi-3's (a prefix space, merges ranked by
+    score, its special tokens swallowing the whitespace after them, as llama.cpp reads them).
+    Other families' ('llama' files of Llama 2, Mistral) are refused rather than encoded in a way
+    not checked against their model's tokenizer."""
     arch = meta.get("general.architecture")
-    if arch not in GEMMA_ARCHS or meta.get("tokenizer.ggml.add_space_prefix", True):
+    style = SPM_STYLES.get(str(arch))
+    prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", True))
+    if style is None or (style is GEMMA_STYLE and prefix):
         raise ModelLoadError(f"{path}: the sentencepiece-style vocabulary of a {arch!r} file is not supported "
-                             f"(Gemma's, {GEMMA_ARCHS}, is); pass --tokenizer with a tokenizer.json")
+                             f"({sorted(SPM_STYLES)} are); pass --tokenizer with a tokenizer.json")
+    if style.add_space_prefix != prefix:
+        style = dataclasses.replace(style, add_space_prefix=prefix)
     return from_gguf_spm(meta["tokenizer.ggml.tokens"], meta.get("tokenizer.ggml.token_type", []), bos, eos_ids,
-                         bool(meta.get("tokenizer.ggml.add_bos_token", True)), meta.get("tokenizer.chat_template"))
+                         bool(meta.get("tokenizer.ggml.add_bos_token", True)), meta.get("tokenizer.chat_template"),
+                         style, meta.get("tokenizer.ggml.scores"))

@@ -32,6 +32,7 @@ _SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4)
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
 F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30  # ggml type ids
+SIXTEEN_BIT = {F16: torch.float16, BF16: torch.bfloat16}  # the float types a tensor keeps at load
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,14 @@ class GGUFFile:
         """The tensor as float32, shaped t.shape."""
         raw = self.data[t.offset:t.offset + t.nbytes]
         return torch.from_numpy(np.ascontiguousarray(_dequantize(raw, t.ggml_type)).reshape(t.shape))
+
+    def floats(self, t: GGUFTensor) -> torch.Tensor:
+        """The tensor as torch floats, shaped t.shape: F16 and BF16 as they are stored (float16,
+        bfloat16: a copy of the bits, half the memory of float32), every other type dequantize()d."""
+        if t.ggml_type not in SIXTEEN_BIT:
+            return self.dequantize(t)
+        raw = torch.frombuffer(bytearray(self.data[t.offset:t.offset + t.nbytes]), dtype=torch.int16)
+        return raw.view(SIXTEEN_BIT[t.ggml_type]).reshape(t.shape)
 
     # ---- parsing ----
     def _scalar(self, kind: int) -> Any:
