@@ -400,10 +400,11 @@ class _AbortOnDisconnect:
 
 async def _finish(first: RequestOutput, stream: AsyncIterator[RequestOutput], request: Request) -> RequestOutput:
     last = first
+    gone = _DisconnectCheck(request)
     try:
         async for out in stream:
             last = out
-            if await request.is_disconnected():
+            if await gone():
                 break
     finally:
         await stream.aclose()  # type: ignore[attr-defined]
@@ -542,12 +543,13 @@ async def _payloads(parts: list[_Part], request: Request, usage: _Usage) -> Asyn
             elif p.fmt.echo:
                 want = any(c.logprobs is not None for c in p.first.outputs) or p.first.prompt_logprobs is not None
                 yield chunk(p, p.fmt.echo_choices(p.first, want), p.first)
+        gone = _DisconnectCheck(request)
         async for p, out in _outputs(parts):
             p.last = out
             choices = p.fmt.delta_choices(out)
             if choices:
                 yield chunk(p, choices, out)
-            if not out.finished and await request.is_disconnected():
+            if not out.finished and await gone():
                 return
         for p in parts:
             out = p.last
@@ -565,6 +567,24 @@ async def _payloads(parts: list[_Part], request: Request, usage: _Usage) -> Asyn
                 await p.stream.aclose()  # type: ignore[attr-defined]
             except RuntimeError:  # its read was in flight and is cancelled: that ends (aborts) it instead
                 pass
+
+
+class _DisconnectCheck:
+    """Whether a response's client has gone, asked after each output but looked up at most every
+    DISCONNECT_POLL_S: Starlette's lookup (a receive under a cancelled scope) cost about as much
+    as the rest of a streamed token's handling, and a client that left is still noticed within
+    the poll interval, as a response that writes nothing notices it (_AbortOnDisconnect)."""
+
+    def __init__(self, request: Request) -> None:
+        self.request = request
+        self.next_check = time.monotonic() + DISCONNECT_POLL_S
+
+    async def __call__(self) -> bool:
+        now = time.monotonic()
+        if now < self.next_check:
+            return False
+        self.next_check = now + DISCONNECT_POLL_S
+        return await self.request.is_disconnected()
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -146,8 +146,7 @@ class AsyncEngine:
                 self._fail_all(f"engine step failed: {type(e).__name__}: {e}")
                 continue
             self.stats = self.engine.stats()
-            for out in outputs:
-                self._deliver(out)
+            self._deliver(outputs)
 
     def _drain_commands(self, block: bool) -> None:
         try:
@@ -192,14 +191,25 @@ class AsyncEngine:
             if stream is not None and reason is not None:
                 stream.loop.call_soon_threadsafe(stream.outputs.put, _error_output(rid, reason))
 
-    def _deliver(self, out: RequestOutput) -> None:
-        cmd = self._streams.get(out.request_id)
-        if out.finished:
-            self._streams.pop(out.request_id, None)
-            if self.on_finished is not None:
-                self.on_finished(out)
-        if cmd is not None:
-            cmd.loop.call_soon_threadsafe(self._offer, cmd, out)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand a step's outputs to their event loops, one wake-up a loop a step: each
+        call_soon_threadsafe writes the loop's wake-up pipe, which with a batch of streams was
+        a system call and a loop iteration per request per token."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Add, RequestOutput]]] = {}
+        for out in outputs:
+            cmd = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                if self.on_finished is not None:
+                    self.on_finished(out)
+            if cmd is not None:
+                by_loop.setdefault(cmd.loop, []).append((cmd, out))
+        for loop, offers in by_loop.items():
+            loop.call_soon_threadsafe(self._offer_all, offers)
+
+    def _offer_all(self, offers: list[tuple[_Add, RequestOutput]]) -> None:
+        for cmd, out in offers:
+            self._offer(cmd, out)
 
     def _offer(self, cmd: _Add, out: RequestOutput) -> None:
         """On the event loop: hand `out` to the request's reader. One that has taken nothing for
