@@ -160,6 +160,7 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
     from kvserve.kv.sizing import cache_groups
     from kvserve.models.registry import read_model_config
     cfg = read_model_config(model)
+    dtype = memory_dtype(model, dtype)
     fmt = kv_format(kv_cache_dtype, canonical_dtype(dtype))
     check_format(fmt, cfg, block_size)
     ctx = context or cfg.max_position_embeddings
@@ -200,6 +201,17 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
         "weights": _weight_report(cfg, canonical_dtype(dtype)),
         "cache_layers": _cache_layers_report(cfg, fmt, cache_layers, block_size, ctx * batch, residual * batch + fixed),
     }
+
+
+def memory_dtype(model: str, dtype: str) -> str:
+    """The model dtype `kvserve memory` costs: --dtype, or for auto what the engine would resolve on
+    this CPU from the checkpoint's published dtype (config.json's torch_dtype; a GGUF's types)."""
+    if dtype != "auto":
+        return dtype
+    from kvserve import kernels
+    from kvserve.config import resolve_dtype
+    from kvserve.models.registry import published_dtype
+    return resolve_dtype("cpu", kernels.cpu_flags(), published_dtype(model))
 
 
 def _cache_layers_report(cfg: Any, fmt: Any, spec: str, block_size: int, num_tokens: int,
@@ -265,7 +277,9 @@ MEMORY_OPTIONS = ("kv_cache_dtype", "dtype", "block_size", "sliding_window", "at
                   "tensor_parallel_size", "cache_layers")
 MEMORY_HELP = {
     "kv_cache_dtype": "auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4",
-    "dtype": "the model dtype (what auto means)",
+    "dtype": "the model dtype (what an auto KV cache means); auto: what the engine picks on this CPU for the "
+             "checkpoint's published dtype (bfloat16 for a 16-bit checkpoint on a CPU with AVX512-BF16 or AMX, "
+             "else float32)",
     "sliding_window": "window every layer (see kvserve generate)",
     "tensor_parallel_size": "also what each of N tensor-parallel ranks holds",
 }
@@ -375,8 +389,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     opts = {**engine_options(a), "max_num_batched_tokens": a.chunk, "max_prefill_chunk": a.chunk, "max_num_seqs": 1}
     if not a.stream:
         opts["max_model_len"] = max(a.context, a.max_model_len or 0)
-    elif a.reference_kv_dtype:
-        raise UserError("--reference-kv-dtype compares windows (--context, --stride), not --stream")
+    elif a.reference_kv_dtype or a.reference_exact:
+        raise UserError("--reference-kv-dtype and --reference-exact compare windows (--context, --stride), not --stream")
     loaded = load_weights(a.model, a.tokenizer)  # one copy of the weights for both engines
     engine = LLMEngine.from_options(a.model, loaded=loaded, **opts)
     trained = engine.model_config.max_position_embeddings
@@ -391,8 +405,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
     if a.stream:
         return _print_stream(engine, tokens, a)
     reference = None
-    if a.reference_kv_dtype:
-        reference = LLMEngine.from_options(a.model, loaded=loaded, **{**opts, "kv_cache_dtype": a.reference_kv_dtype})
+    if a.reference_kv_dtype or a.reference_exact:
+        reference = LLMEngine.from_options(a.model, loaded=loaded, **reference_options(opts, a))
     r = perplexity(engine, tokens, a.context, a.stride or a.context, reference, progress=not a.json)
     if a.json:
         print(json.dumps(r.as_dict()))
@@ -401,10 +415,22 @@ def cmd_eval(a: argparse.Namespace) -> int:
           f"perplexity {r.perplexity:.4f}")
     if reference is not None:
         assert r.delta_perplexity is not None and r.mean_kl is not None and r.top1_agreement is not None
-        print(f"reference kv cache {r.reference_kv_dtype}: perplexity {r.reference_perplexity:.4f}; "
+        what = "the exact path (--exact)" if a.reference_exact else f"kv cache {r.reference_kv_dtype}"
+        print(f"reference {what}: perplexity {r.reference_perplexity:.4f}; "
               f"delta {100 * r.delta_perplexity:+.3f}%, mean KL {r.mean_kl:.6f}, top-1 agreement "
               f"{100 * r.top1_agreement:.2f}%")
     return 0
+
+
+def reference_options(opts: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
+    """The reference engine's options: the scored engine's, with --reference-kv-dtype's cache
+    format, and with --reference-exact the exact path (float32, float products, an fp32 cache
+    unless --reference-kv-dtype names one) in place of the scored engine's dtype choices."""
+    ref = {**opts, "kv_cache_dtype": a.reference_kv_dtype or opts["kv_cache_dtype"]}
+    if a.reference_exact:
+        ref.update(exact=True, dtype="auto", packed_activations="auto",
+                   kv_cache_dtype=a.reference_kv_dtype or "auto")
+    return ref
 
 
 def _print_stream(engine: Any, tokens: list[int], a: argparse.Namespace) -> int:
@@ -502,6 +528,8 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--stride", type=int, default=None, help="tokens between window starts (default: --context)")
     ep.add_argument("--chunk", type=int, default=512, help="prefill chunk: later chunks read earlier ones from the cache")
     ep.add_argument("--reference-kv-dtype", default=None, help="also run this cache format: KL, top-1, delta")
+    ep.add_argument("--reference-exact", action="store_true",
+                    help="also run the exact path (--exact): what the defaults cost, as KL, top-1 and delta")
     ep.add_argument("--max-text-tokens", type=int, default=None, help="score only the first N tokens")
     ep.add_argument("--stream", action="store_true",
                     help="score the text as one sequence (with --sliding-window and --attention-sinks: "

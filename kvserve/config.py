@@ -25,7 +25,12 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 MODEL_DTYPES = ("float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("auto", *MODEL_DTYPES, "int8", "int4")
-PACKED_ACTIVATIONS = ("float", "int8")  # what packed weights multiply by
+PACKED_ACTIVATIONS = ("auto", "float", "int8")  # what packed weights multiply by (auto: resolve_packed_activations)
+# /proc/cpuinfo flags of a CPU that multiplies bf16 natively (kvserve.kernels.cpu_flags reads them)
+BF16_CPU_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+# What the large float matrices of a checkpoint are stored as: a float dtype, or "packed" (GGUF
+# blocks: Q8_0, Q4_*, K-quants, ...); kvserve.models.registry.checkpoint_dtype tells which.
+CHECKPOINT_DTYPES = (*MODEL_DTYPES, "packed")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2", "int8", "int4")
 KV_CACHE_ALIASES = {**DTYPE_ALIASES, "fp8": "fp8_e4m3", "float8_e4m3": "fp8_e4m3", "float8_e5m2": "fp8_e5m2"}
 KERNEL_BACKENDS = ("auto", "torch", "cpu-kernel")  # attention_backend, linear_backend
@@ -134,6 +139,47 @@ def canonical_dtype(name: str) -> str:
     if key not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPE_BYTES)}")
     return key
+
+
+def resolve_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, weight_dtype: str = "auto") -> str:
+    """The model dtype `--dtype auto` stands for, from where the model runs and what its
+    checkpoint holds (`checkpoint`: one of CHECKPOINT_DTYPES; `cpu_flags` as /proc/cpuinfo
+    names them, kvserve.kernels.cpu_flags()).
+
+    CUDA: the checkpoint's 16-bit dtype, else bfloat16 (tensor cores; fp32 would halve speed and
+    double memory for nothing the weights hold). CPU: bfloat16 only where both hold: the CPU
+    multiplies bf16 natively (AVX512-BF16 or AMX-BF16; elsewhere bf16 is emulated, slower than
+    fp32) and the large matrices are 16-bit in the checkpoint (so bf16 loses nothing they store,
+    or fp16's 3 mantissa bits only). float32 otherwise, in particular for packed matrices (a
+    quantized GGUF, or --weight-dtype int8/int4): their kernels take fp32 activations, so bf16
+    would only add conversions around every product (measured in docs/defaults.md).
+
+        resolve_dtype("cpu", frozenset({"avx512_bf16"}), "bfloat16") == "bfloat16"
+        resolve_dtype("cpu", frozenset({"avx512_bf16"}), "packed") == "float32"
+        resolve_dtype("cuda", frozenset(), "float32") == "bfloat16"
+    """
+    if checkpoint not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
+    if weight_dtype in MODEL_DTYPES:  # every matrix dequantized to this dtype: it is the model's
+        return weight_dtype
+    if weight_dtype in ("int8", "int4"):  # float matrices packed at load
+        checkpoint = "packed"
+    sixteen_bit = checkpoint in ("bfloat16", "float16")
+    if device.startswith("cuda"):
+        return checkpoint if sixteen_bit else "bfloat16"
+    return "bfloat16" if sixteen_bit and cpu_flags & BF16_CPU_FLAGS else "float32"
+
+
+def resolve_packed_activations(device: str, int8_kernels_built: bool) -> tuple[str, str]:
+    """What `--packed-activations auto` stands for, and why (a sentence for the log): int8 on CPU
+    where the compiled int8 kernels load (faster than float products at every row count measured, 0.1-0.4% perplexity:
+    docs/defaults.md), float on CUDA and where they are missing."""
+    if device.startswith("cuda"):
+        return "float", "the int8 kernels are CPU kernels; packed products on CUDA dequantize in float"
+    if not int8_kernels_built:
+        return "float", "the compiled int8 kernels are not built here; packed products dequantize in float"
+    return "int8", ("int8 activations through the compiled kernels (--exact "
+                    "or --packed-activations float for the exact float products)")
 
 
 def canonical_kv_cache_dtype(name: str) -> str:
@@ -645,7 +691,11 @@ class EngineConfig:
     model: str = DEFAULT_MODEL  # not an option: `LLM(model)` and `--model` name it first
     tokenizer: Optional[str] = option(None, "tokenizer file, if not beside the model")
     device: str = option("cpu", "cpu or cuda[:N]")
-    dtype: str = option("float32", "float32 | bfloat16 | float16")
+    dtype: str = option(
+        "auto", "float32 | bfloat16 | float16 | auto (default): bfloat16 where the checkpoint's matrices are "
+                "16-bit and the device multiplies bf16 natively (CUDA; CPUs with AVX512-BF16 or AMX), else "
+                "float32 (packed GGUF weights: their kernels take fp32). bf16 halves weight and KV memory and "
+                "rounds activations to 8 bits of mantissa; --exact keeps float32 (docs/defaults.md)")
     max_model_len: Optional[int] = option(  # None: the model's context length
         None, "the longest sequence (default: the model's context); longer than the model was "
               "trained on is allowed, with a warning")
@@ -677,16 +727,32 @@ class EngineConfig:
                 "float ones in --dtype; float32/bfloat16/float16 (= --dtype) dequantize everything; "
                 "int8/int4 pack float weights as Q8_0/Q4_1 at load", choices=WEIGHT_DTYPES)
     packed_activations: str = option(
-        "float", "what packed Q8_0/Q4_0/Q4_1 weights multiply by: float (exact: dequantize-then-"
-                 "multiply in fp32) or int8 (activations quantized to 8 bits per 32-block, integer "
-                 "dot products as llama.cpp does, prompt and decode alike: faster at every batch "
-                 "size, each activation off by up to half a quantization step)", choices=PACKED_ACTIVATIONS)
+        "auto", "what packed GGUF weights multiply by: float (exact: dequantize-then-multiply in fp32), "
+                "int8 (activations quantized to 8 bits a block, integer dot products as llama.cpp does, "
+                "prompt and decode alike: 1.1-3x faster, perplexity 0.1-0.4 percent higher, each activation off by up "
+                "to half a quantization step) or auto (default): int8 on CPU where its kernel is built, "
+                "else float (docs/defaults.md)", choices=PACKED_ACTIVATIONS)
+    dense_copy_memory: float = option(
+        0.25, "with --packed-activations auto on a CPU with AMX or AVX512-BF16: the share of available "
+              "memory the bf16 copies of packed weights may take (each about 3.2x its Q4 bytes, at most 4x "
+              "the packed bytes in all), multiplied by oneDNN above 64 rows (8 for K-quants), where they "
+              "take half to a tenth of the int8 kernels' time; 0: no copies")
+    exact: bool = option(
+        False, "exact products: float32 model dtype, packed weights dequantized then multiplied in fp32, "
+               "an fp32 KV cache unless --kv-cache-dtype names one; slower than the defaults (which cost "
+               "perplexity 0.1-0.4 percent higher on SmolLM2 Q4_1 and Gemma-3 Q4_K_M, docs/defaults.md). Conflicts with --dtype bfloat16/"
+               "float16 and --packed-activations int8")
 
     def __post_init__(self) -> None:
-        dtype = canonical_dtype(self.dtype)
-        if dtype not in MODEL_DTYPES:
-            raise ValueError(f"model dtype must be one of {MODEL_DTYPES}, got {self.dtype!r}")
+        dtype = "auto" if self.dtype == "auto" else canonical_dtype(self.dtype)
+        if self.weight_dtype in MODEL_DTYPES and dtype == "auto":  # float weights are held in the model dtype
+            dtype = self.weight_dtype
         object.__setattr__(self, "dtype", dtype)
+        self._apply_exact()
+        dtype = self.dtype
+        if isinstance(self.dense_copy_memory, bool) or not (isinstance(self.dense_copy_memory, numbers.Real)
+                                                             and 0 <= self.dense_copy_memory <= 1):
+            raise OptionError("dense_copy_memory", f"must be a fraction in [0, 1], got {self.dense_copy_memory!r}")
         if self.max_model_len is not None:
             check_at_least("max_model_len", self.max_model_len, 1)
         interval = self.log_stats_interval_s  # None: no stats log (0 would log every step)
@@ -706,7 +772,28 @@ class EngineConfig:
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
 
+    def _apply_exact(self) -> None:
+        """--exact: float32 and float products; an explicit choice against them is refused by name."""
+        if not self.exact:
+            return
+        if not isinstance(self.exact, bool):
+            raise OptionError("exact", f"must be True or False, got {self.exact!r}")
+        if self.dtype not in ("auto", "float32"):
+            raise OptionError("exact", f"conflicts with dtype {self.dtype!r}: exact products run in float32 "
+                                       "(drop --exact or --dtype)")
+        if self.packed_activations == "int8":
+            raise OptionError("exact", "conflicts with packed_activations 'int8': exact products multiply "
+                                       "float activations (drop --exact or --packed-activations)")
+        object.__setattr__(self, "dtype", "float32")
+        object.__setattr__(self, "packed_activations", "float")
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether no "auto" is left in the model dtype and packed activations (the engine resolves
+        them once the checkpoint is loaded: kvserve.engine.llm_engine.resolve_defaults)."""
+        return self.dtype != "auto" and self.packed_activations != "auto"
+
     @property
     def kv_cache_dtype(self) -> str:
-        """The cache's format: the model dtype for "auto"."""
+        """The cache's format: the model dtype for "auto" (so "auto" until the dtype is resolved)."""
         return self.dtype if self.cache.kv_cache_dtype == "auto" else self.cache.kv_cache_dtype

@@ -28,7 +28,7 @@ def test_memory_smollm2_per_token_bytes(capsys, smollm2_path):
 
 
 def test_memory_named_configs_and_quantized_scales(capsys):
-    assert main(["memory", "--model", "llama-2-7b", "--json", "--context", "4096"]) == 0
+    assert main(["memory", "--model", "llama-2-7b", "--json", "--context", "4096", "--dtype", "float32"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert r["bytes_per_token"] == 2 * 32 * 32 * 128 * 4 and r["attention"] == "MHA"
     assert main(["memory", "--model", "llama-3-8b", "--kv-cache-dtype", "int8", "--json"]) == 0
@@ -39,7 +39,7 @@ def test_memory_named_configs_and_quantized_scales(capsys):
 def test_memory_counts_what_sliding_layers_hold(capsys):
     """A hybrid's local layers hold their window: Gemma 3 1B at 32,768 tokens, 22 local layers of
     26 with a 512-token window, holds (4 * 2048 + 22 * 33) blocks of 16 tokens' worth per layer."""
-    assert main(["memory", "--model", "gemma-3-1b", "--json", "--context", "32768"]) == 0
+    assert main(["memory", "--model", "gemma-3-1b", "--json", "--context", "32768", "--dtype", "float32"]) == 0
     r = json.loads(capsys.readouterr().out)
     per_layer_block = 2 * 1 * 256 * 4 * 16  # K and V, one KV head of 256, fp32, 16 tokens
     assert r["layers_by_kind"] == {"sliding": 22, "full": 4} and r["sliding_window"] == 512

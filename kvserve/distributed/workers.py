@@ -33,7 +33,7 @@ from kvserve.attention.backend import AttentionMetadata
 from kvserve.config import EngineConfig
 from kvserve.core.kv_cache_manager import BlockCopies
 from kvserve.distributed.tensor_parallel import check_shardable, install_row_parallel, shard_weights
-from kvserve.engine.llm_engine import allocate_cache
+from kvserve.engine.llm_engine import allocate_cache, resolve_defaults
 from kvserve.engine.parallel import CommStats, TensorParallel
 from kvserve.kv.sizing import CachePlan
 from kvserve.models.loaders.base import LoadedModel
@@ -81,8 +81,9 @@ class Shard:
         dist.init_process_group(collective_backend(c), init_method=spec.init_method, rank=rank,
                                 world_size=spec.world, timeout=COLLECTIVE_TIMEOUT)
         loaded = spec.weights
+        c = resolve_defaults(c, loaded)  # rank 0 sends its resolved config; a config built elsewhere resolves alike
         model = build_model(loaded, getattr(torch, c.dtype), self.device, spec.layout.max_model_len, c.weight_dtype,
-                            c.packed_activations)
+                            c.packed_activations, c.dense_copy_memory)
         self.stats = CommStats()
         install_row_parallel(model, self.stats)
         storage, swap = allocate_cache(c, loaded.config, spec.plan, spec.layer_tensor, self.device)

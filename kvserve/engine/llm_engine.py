@@ -5,6 +5,7 @@ A step is: schedule -> run the model -> update requests -> detokenize and build 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -13,7 +14,8 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from kvserve.config import DEFAULT_MODEL, EngineConfig, FieldError, ModelConfig
+from kvserve.config import (DEFAULT_MODEL, EngineConfig, FieldError, ModelConfig, resolve_dtype,
+                            resolve_packed_activations)
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.observers import Observers
@@ -38,7 +40,8 @@ from kvserve.kv.storage import Fp8KVStorage, KVStorage, make_storage
 from kvserve.kv.sizing import CachePlan, cache_groups, is_bounded, plan_cache
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.lora import LoRAAdapter, LoRASet
-from kvserve.models.registry import build_model, load_weights
+from kvserve.models.products import missing_int8_kernels, packed_formats
+from kvserve.models.registry import build_model, checkpoint_dtype, load_weights
 from kvserve.core.request import Request, RequestStatus
 from kvserve.runner import host_memory
 from kvserve.runner.model_runner import CacheLayout, ModelRunner
@@ -118,6 +121,40 @@ def host_pool_blocks(config: EngineConfig, plan: CachePlan) -> int:
     return plan.num_cpu_blocks if mode == "swap" else min(plan.num_cpu_blocks, plan.num_blocks)
 
 
+_logged_choices: set[str] = set()  # what resolve_defaults said, so each choice is logged once a process
+
+
+def resolve_defaults(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
+    """`config` with its "auto" model dtype and packed activations resolved for this checkpoint,
+    device and CPU (kvserve.config.resolve_dtype, resolve_packed_activations): done once the
+    checkpoint is loaded, so everything after (the cache's "auto" format, sizing, logs, the
+    server's state) sees what runs, never "auto". A resolved config comes back as it is."""
+    if config.is_resolved:
+        return config
+    dtype, acts = config.dtype, config.packed_activations
+    if dtype == "auto":
+        dtype = resolve_dtype(config.device, kernels.cpu_flags(), checkpoint_dtype(loaded), config.weight_dtype)
+    if acts == "auto":
+        formats = packed_formats(loaded, config.weight_dtype)
+        missing = missing_int8_kernels(formats) if config.device == "cpu" else []
+        acts, why = resolve_packed_activations(config.device, not missing)
+        if formats:
+            _log_once(f"packed weights ({', '.join(sorted(formats))}) multiply {acts} activations: {why}"
+                      + (f" (missing: {', '.join(missing)})" if missing else ""))
+    # dense copies are the auto policy's (kvserve.models.products); a named path takes every row count
+    copies = config.dense_copy_memory if config.packed_activations == "auto" and acts == "int8" else 0.0
+    resolved = dataclasses.replace(config, dtype=dtype, packed_activations=acts, dense_copy_memory=copies)
+    _log_once(f"model dtype {resolved.dtype}, KV cache {resolved.kv_cache_dtype}"
+              + ("" if config.dtype != "auto" else " (--dtype auto: docs/defaults.md)"))
+    return resolved
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged_choices:
+        _logged_choices.add(message)
+        logger.info("%s", message)
+
+
 def check_tensor_parallel(config: EngineConfig, model: ModelConfig, tp: Optional[TensorParallel]) -> None:
     """What tensor parallelism does not serve yet, refused by name."""
     if tp is None:  # one rank
@@ -135,10 +172,10 @@ def check_tensor_parallel(config: EngineConfig, model: ModelConfig, tp: Optional
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: Optional[LoadedModel] = None) -> None:
         """`loaded` lets several engines share weights already read from disk."""
-        self.config = config
         t0 = time.perf_counter()
         kernels_before = kernels.import_seconds()
         loaded = loaded or load_weights(config.model, config.tokenizer)
+        self.config = config = resolve_defaults(config, loaded)
         t_read = time.perf_counter()
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
@@ -159,7 +196,7 @@ class LLMEngine:
         shard = tp.shard_weights(loaded, 0, world) if tp is not None else loaded  # rank 0's share
         self.shard_config = shard.config  # what this rank's layers and cache hold
         self.model = build_model(shard, dtype, config.device, self.max_model_len, config.weight_dtype,
-                                 config.packed_activations)
+                                 config.packed_activations, config.dense_copy_memory)
         self.lora = self._make_lora()  # wraps the adapted products before the runner binds its fast path
         t_model = time.perf_counter()
         self.comm = CommStats()

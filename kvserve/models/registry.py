@@ -4,6 +4,7 @@ architecture) to a loader, and build the torch model from loaded weights."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import re
 from typing import Optional
@@ -11,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from kvserve import kernels
 from kvserve.config import DEFAULT_MODEL, MLAConfig, ModelConfig, MoEConfig
 from kvserve.models.deepseek import DeepseekForCausalLM
 from kvserve.models.gemma import GemmaForCausalLM
@@ -18,16 +20,21 @@ from kvserve.models.granite import GraniteForCausalLM
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.loaders import gguf, hf, llama2c
 from kvserve.models.loaders.base import LoadedModel, ModelLoadError
+from kvserve.models.loaders.gguf_file import BF16, F16, GGUFFile
 from kvserve.models.moe import MoeForCausalLM
 from kvserve.models.olmo2 import Olmo2ForCausalLM
 from kvserve.models.olmoe import OlmoeForCausalLM
 from kvserve.models.phi3 import Phi3ForCausalLM
+from kvserve.models.linear import onednn_bf16_supported
+from kvserve.models.products import (QUANTIZE_TO, ProductPolicy, available_memory, dense_copy_budget,
+                                     keep_dense_copies, policy_for)
 from kvserve.models.qwen3 import Qwen3ForCausalLM
 from kvserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from kvserve.models.smollm3 import SmolLM3ForCausalLM
-from kvserve.models.packed import (BLOCK, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse, quantize,
-                                   use_int8_activations)
+from kvserve.models.packed import (BLOCK, BY_GGML_TYPE, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse,
+                                   quantize, use_int8_activations)
 
+logger = logging.getLogger("kvserve")
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -168,6 +175,68 @@ def load_weights(model: str, tokenizer: Optional[str] = None) -> LoadedModel:
     return llama2c.load(path if fmt == "llama2c" else _llama2c_in(path), tokenizer)
 
 
+TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+GGUF_FLOAT_TYPES = {F16: "float16", BF16: "bfloat16"}  # any other float GGUF matrix is float32
+
+
+def _is_matrix(name: str) -> bool:
+    """The large matrices: the products, the embedding and the head (norms and biases are not)."""
+    return name.endswith("_proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight")
+
+
+def checkpoint_dtype(loaded: LoadedModel) -> str:
+    """What the checkpoint stores its large matrices as (kvserve.config.CHECKPOINT_DTYPES):
+    "packed" where any is in GGUF blocks, else the float dtype most of them hold. A GGUF's F16 and
+    BF16 matrices reach the state dict as float32 (the loader dequantizes them), so for a GGUF of
+    float matrices the file's tensor types are read (its header only)."""
+    matrices = [v for k, v in loaded.state_dict.items() if _is_matrix(k)]
+    if any(isinstance(v, PackedWeight) for v in matrices):
+        return "packed"
+    if loaded.model_id.startswith("gguf:"):  # "gguf:<absolute path>:<size>"
+        return _gguf_matrix_dtype(loaded.model_id[5:].rpartition(":")[0])
+    names = [TORCH_DTYPE_NAMES.get(v.dtype, "float32") for v in matrices]
+    return max(set(names), key=names.count) if names else "float32"
+
+
+def _gguf_matrix_dtype(path: str) -> str:
+    """From a GGUF's header: "packed" where a matrix is in blocks, else its matrices' float type."""
+    if not os.path.exists(path):
+        return "float32"
+    types = [t.ggml_type for t in GGUFFile(path).tensors if len(t.shape) == 2]
+    if any(t in BY_GGML_TYPE for t in types):
+        return "packed"
+    names = [GGUF_FLOAT_TYPES.get(t, "float32") for t in types]
+    return max(set(names), key=names.count) if names else "float32"
+
+
+# The known architectures' published torch_dtype where it is not bfloat16.
+PUBLISHED_DTYPES = {"stories260k": "float32", "llama-2-7b": "float16"}
+
+
+def published_dtype(model: str) -> str:
+    """A model's checkpoint dtype without its weights (`kvserve memory --model NAME`): the
+    torch_dtype its config.json publishes (a directory), the matrices' type of a GGUF, else what
+    the known architectures were published in (bfloat16; float32 for llama2.c's stories260K)."""
+    if model.lower() in KNOWN_CONFIGS and not os.path.exists(model):
+        return PUBLISHED_DTYPES.get(model.lower(), "bfloat16")
+    path = resolve_path(model)
+    fmt = _format(path)
+    if fmt == "hf":
+        return hf_torch_dtype(path)
+    if fmt in ("gguf", "gguf-dir"):
+        return _gguf_matrix_dtype(path if fmt == "gguf" else _gguf_in(path))
+    return "float32"  # llama2.c checkpoints are fp32
+
+
+def hf_torch_dtype(directory: str) -> str:
+    """config.json's torch_dtype (or dtype), as one of the model dtypes; float32 where it names none."""
+    import json
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    name = str(config.get("torch_dtype") or config.get("dtype") or "float32")
+    return name if name in ("float32", "bfloat16", "float16") else "float32"
+
+
 MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,  # else the Llama family
                  "mixtral": MoeForCausalLM, "qwen2_moe": Qwen2MoeForCausalLM, "qwen3_moe": Qwen3MoeForCausalLM,
                  "olmoe": OlmoeForCausalLM, "deepseek_v2": DeepseekForCausalLM, "deepseek_v3": DeepseekForCausalLM,
@@ -176,11 +245,14 @@ MODEL_CLASSES = {"gemma2": GemmaForCausalLM, "gemma3": GemmaForCausalLM,  # else
 
 
 def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: int,
-                weight_dtype: str = "auto", packed_activations: str = "float") -> LlamaForCausalLM:
+                weight_dtype: str = "auto", packed_activations: str = "float",
+                dense_copy_memory: float = 0.0) -> LlamaForCausalLM:
     """Instantiate without initialising (meta device), then adopt the loaded tensors. Packed
     weights (a GGUF's Q8_0/Q4_0/Q4_1) stay packed with weight_dtype auto and are dequantized to
     `dtype` otherwise; int8/int4 pack every float matrix whose rows split into 32-weight blocks.
-    packed_activations int8 gives them integer products with 8-bit activations (PackedLinearQ8)."""
+    packed_activations int8 gives them integer products with 8-bit activations (PackedLinearQ8);
+    with dense_copy_memory > 0 (the defaults' policy, kvserve.models.products) the larger calls of
+    those take a bf16 copy kept within that share of available memory."""
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)
@@ -212,12 +284,20 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
         if device != "cpu":
             raise ValueError(f"--packed-activations int8 runs on CPU only, not {device}")
         use_int8_activations(model)
+        _keep_dense_copies(model, policy_for(packed_activations, dense_copy_memory), dense_copy_memory)
     model.to(device)
     model.init_rope(max_len)
     return model.eval()
 
 
-QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}
+def _keep_dense_copies(model: nn.Module, policy: ProductPolicy, fraction: float) -> None:
+    """The policy's dense copies, where this CPU multiplies their dtype natively (oneDNN bf16)."""
+    if not (policy.keeps_copies(kernels.cpu_flags()) and onednn_bf16_supported()):
+        return
+    packed_bytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
+    kept = keep_dense_copies(model, policy, dense_copy_budget(packed_bytes, fraction, available_memory()))
+    logger.info("packed products above %s rows take bf16 copies: %.1f MB beside %.1f MB packed",
+                "/".join(str(rows) for _, rows in policy.dense_above_rows), kept / 1e6, packed_bytes / 1e6)
 
 
 def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_weights: tuple[str, ...] = ()

@@ -50,14 +50,14 @@ def test_stories_cached_equals_recompute(stories, stories_reference, layout, bac
 
 @pytest.fixture(scope="module")
 def smollm2_reference(smollm2):
-    engine = make_engine(smollm2, use_cache=False, max_model_len=64)
+    engine = make_engine(smollm2, use_cache=False, max_model_len=64, exact=True)
     return run_collecting_logits(engine, prompts_for(smollm2.tokenizer), greedy(6, ignore_eos=True))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda d: f"{d['kv_layout']}-{d.get('block_size', 'slab')}")
 def test_smollm2_cached_equals_recompute(smollm2, smollm2_reference, layout):
-    engine = make_engine(smollm2, **{"max_model_len": 64, **layout})
+    engine = make_engine(smollm2, **{"max_model_len": 64, "exact": True, **layout})
     got = run_collecting_logits(engine, prompts_for(smollm2.tokenizer), greedy(6, ignore_eos=True))
     assert_same(smollm2_reference, got)
 

@@ -100,7 +100,8 @@ def test_llm_takes_exactly_the_options_the_command_line_gives(stories):
     assert set(cli) == set(OPTIONS_BY_NAME)
     options = {**cli, "num_blocks": 64}
     llm = LLM("preloaded", loaded=stories, **options)
-    assert llm.engine.config == engine_config("preloaded", **options)
+    from kvserve.engine.llm_engine import resolve_defaults
+    assert llm.engine.config == resolve_defaults(engine_config("preloaded", **options), stories)  # auto resolved
     with pytest.raises(TypeError, match="unknown engine option 'memory_bytes'"):
         LLM("preloaded", loaded=stories, memory_bytes=1 << 20)
 
@@ -109,7 +110,7 @@ def test_the_defaults_users_know_stay_what_they_were():
     """The defaults as the command line has always had them (a change to one is a change users
     see, made on purpose here)."""
     a = engine_parser().parse_args([])
-    known = dict(dtype="float32", weight_dtype="auto", packed_activations="float", kv_cache_dtype="auto",
+    known = dict(dtype="auto", weight_dtype="auto", packed_activations="auto", exact=False, kv_cache_dtype="auto",
                  block_size=16, max_num_seqs=64, max_num_batched_tokens=2048, policy="fcfs",
                  preemption_mode="auto", eviction_policy="lru", swap_space=float(1 << 30), seed=0,
                  attention_backend="auto",

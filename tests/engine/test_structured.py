@@ -25,7 +25,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 
 @pytest.fixture(scope="module")
 def engine(smollm2):
-    return make_engine(smollm2, max_model_len=1024, max_num_seqs=16)
+    return make_engine(smollm2, max_model_len=1024, max_num_seqs=16, exact=True)
 
 
 def run(engine, requests):

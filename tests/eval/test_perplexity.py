@@ -94,8 +94,9 @@ def hamlet_ids(smollm2):
 
 @pytest.mark.slow
 def test_float32_perplexity_equals_recomputation_and_transformers(smollm2, smollm2_path, hamlet_ids):
-    cached = make_engine(smollm2, max_model_len=512, max_num_batched_tokens=64, max_prefill_chunk=64, max_num_seqs=1)
-    recompute = make_engine(smollm2, max_model_len=512, use_cache=False, max_num_seqs=1)
+    cached = make_engine(smollm2, max_model_len=512, max_num_batched_tokens=64, max_prefill_chunk=64, max_num_seqs=1,
+                         exact=True)
+    recompute = make_engine(smollm2, max_model_len=512, use_cache=False, max_num_seqs=1, exact=True)
     ours = perplexity(cached, hamlet_ids, context=256, stride=192)
     ref = perplexity(recompute, hamlet_ids, context=256, stride=192)
     assert ours.num_tokens == ref.num_tokens == len(hamlet_ids) - 1
@@ -117,7 +118,7 @@ def test_float32_perplexity_equals_recomputation_and_transformers(smollm2, smoll
 
 @pytest.mark.slow
 def test_kl_and_top1_against_a_reference_format(smollm2, hamlet_ids):
-    opts = dict(max_model_len=512, max_num_batched_tokens=128, max_prefill_chunk=128, max_num_seqs=1)
+    opts = dict(max_model_len=512, max_num_batched_tokens=128, max_prefill_chunk=128, max_num_seqs=1, exact=True)
     same = perplexity(make_engine(smollm2, **opts), hamlet_ids, 256, 256, make_engine(smollm2, **opts))
     assert same.mean_kl == 0 and same.top1_agreement == 1 and same.delta_perplexity == 0
     int8 = perplexity(make_engine(smollm2, kv_cache_dtype="int8", **opts), hamlet_ids, 256, 256,

@@ -77,8 +77,9 @@ def test_smollm2_bf16_decode_through_the_kernel_is_as_accurate_as_exact_products
     prompts = [ids[:n] for n in range(6, 30, 3)]
     runs = {}
     for name, fn in (("fp32", None), ("exact", exact_rounded_once), ("kernel", kernel)):
-        engine = make_engine(smollm2, max_model_len=64, max_num_seqs=4,
-                             **({} if fn is None else dict(dtype="bfloat16", linear_backend="torch")))
+        engine = make_engine(smollm2, max_model_len=64, max_num_seqs=4,  # packed products in float, as the fp32 path
+                             **(dict(exact=True) if fn is None else dict(dtype="bfloat16", linear_backend="torch",
+                                                                         packed_activations="float")))
         if fn is not None:
             linear.use_few_row_kernel(engine.model, fn)
         out, logits = run_collecting_logits(engine, prompts, greedy(4, ignore_eos=True))
@@ -156,7 +157,8 @@ def test_bf16_engine_through_reordered_weights_is_as_accurate_as_the_stock_gemm(
     prompts = [ids[:n] for n in range(5, 15)]
     runs = {}
     for backend in ("fp32", "auto", "torch"):
-        bf16 = {} if backend == "fp32" else dict(dtype="bfloat16", weight_dtype="bfloat16", linear_backend=backend)
+        bf16 = dict(exact=True) if backend == "fp32" else dict(dtype="bfloat16", weight_dtype="bfloat16",
+                                                               linear_backend=backend)
         engine = make_engine(smollm2, max_model_len=64, max_num_seqs=8, **bf16)
         reordered = [m for m in engine.model.modules() if isinstance(m, linear.Linear) and m.onednn_weight is not None]
         if backend != "fp32":

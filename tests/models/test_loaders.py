@@ -39,7 +39,7 @@ def test_llama2c_tokenizer_matches_run_c_rules(stories):
 
 @pytest.mark.slow
 def test_smollm2_answers_paris(smollm2):
-    llm = make_llm(smollm2)
+    llm = make_llm(smollm2, exact=True)  # the defaults part at a near-tie of its first token (docs/defaults.md)
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], greedy(20))
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # <|im_end|> is an EOS token

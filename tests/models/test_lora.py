@@ -175,15 +175,15 @@ def test_fused_products_take_each_modules_delta_on_its_columns():
 def test_packed_weights_with_adapters_keep_mixed_rows_apart(setup):
     """int8 weights (fused q|k|v and gate|up products): an adapter row in a batch equals its solo
     run, and the base rows equal the engine without LoRA."""
-    plain = make_engine(setup["loaded"], weight_dtype="int8", block_size=4)
+    plain = make_engine(setup["loaded"], weight_dtype="int8", block_size=4, exact=True)
     base = [o.outputs[0].token_ids for o in run_collecting_logits(plain, PROMPTS, greedy(5))[0]]
     assert plain.model.model.layers[0].self_attn.fused_qkv is not None
-    engine = lora_engine(setup, weight_dtype="int8")
+    engine = lora_engine(setup, weight_dtype="int8", exact=True)
     mixed = [engine.add_request(None, p, greedy(5, lora_request=a)) for p in PROMPTS for a in (None, "a1")]
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
-    solo = lora_engine(setup, weight_dtype="int8")
+    solo = lora_engine(setup, weight_dtype="int8", exact=True)
     alone = [o.outputs[0].token_ids for o in run_collecting_logits(solo, PROMPTS, greedy(5, lora_request="a1"))[0]]
     assert [done[r] for r in mixed] == [t for pair in zip(base, alone) for t in pair]
     assert alone != base

@@ -94,7 +94,7 @@ def test_auto_without_a_call_is_the_reply_to_the_conversation_with_tools(client,
     """The model sees the tools (in the system message its template gets) and answers in text."""
     whole, content, calls, reason = both(client, messages=ASK, tools=TOOLS, max_tokens=24)
     check_same(whole, content, calls, reason)
-    ref = make_llm(smollm2, num_blocks=64).chat(fallback_messages(ASK, parse_tools(TOOLS)),
+    ref = make_llm(smollm2, num_blocks=64, exact=True).chat(fallback_messages(ASK, parse_tools(TOOLS)),
                                                 SamplingParams(temperature=0, max_tokens=24))
     assert whole.choices[0].message.content == ref.outputs[0].text and not calls
     plain = client.chat.completions.create(model=MODEL, messages=ASK, temperature=0, max_tokens=24)
@@ -116,6 +116,6 @@ def test_a_whole_round_trip(client, smollm2):
     template_messages = [{"role": "user", "content": ASK[0]["content"]},
                          {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
                          {"role": "tool", "content": history[2]["content"], "tool_call_id": call.id}]
-    ref = make_llm(smollm2, num_blocks=64).chat(fallback_messages(template_messages, parse_tools(TOOLS)),
+    ref = make_llm(smollm2, num_blocks=64, exact=True).chat(fallback_messages(template_messages, parse_tools(TOOLS)),
                                                 SamplingParams(temperature=0, max_tokens=24))
     assert whole.choices[0].message.content == ref.outputs[0].text

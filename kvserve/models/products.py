@@ -1,0 +1,207 @@
+"""Which product path packed weights take, as data: the policy, the kernels each path needs and
+the formats a checkpoint packs.
+
+A packed linear can multiply its rows of activations three ways:
+
+    int8   the activations quantized to 8 bits a block and integer dot products
+           (PackedLinearQ8 for Q4_0 / Q4_1 / Q8_0, PackedLinearQ8Rows for the K-quants and the
+           other 32-blocks): the packed bytes read once, whatever the number of rows
+    float  PackedLinear: fp32 activations; up to 8 rows the packed kernel, beyond it the weight
+           dequantized to fp32 on every call and the dense GEMM (exact: --exact)
+    dense  a dequantized bf16 or fp32 copy kept beside the packed weight and multiplied by
+           oneDNN (AMX on CPUs that have it): 3.2x (bf16) to 6.4x (fp32) the bytes of Q4_1
+
+`ProductPolicy` says, by the number of rows of a call, which one runs: the defaults
+(`--packed-activations auto`) take int8 up to 64 rows and, on CPUs that multiply bf16 natively,
+a bf16 copy above (`DenseAbove`, within a memory budget); `--packed-activations int8` takes int8
+for every row count and --exact float. The rule is data in DEFAULT_POLICY, chosen by
+benchmarks/product_paths.py (ProductPolicy's docstring gives the figures).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from kvserve import kernels
+from kvserve.config import BF16_CPU_FLAGS, DTYPE_BYTES
+from kvserve.models.loaders.base import LoadedModel
+from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows, PackedWeight
+from kvserve.modules import DirectCall, FastPath, FastPathEnv
+
+QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}  # --weight-dtype: the format float matrices are packed to
+PATHS = ("int8", "float", "dense")
+
+
+@dataclass(frozen=True)
+class ProductPolicy:
+    """The product path of a packed linear for a call of `rows` activation rows.
+
+    activations: "int8" or "float", the path of every row count, except that above a row
+    threshold (dense_above_rows: per int8 kernel, "linear_q8" for Q4_0 / Q4_1 / Q8_0 and
+    "linear_kquant" for the others; a kernel not named: never) a dense copy of the weight in
+    dense_dtype runs, where the CPU has the flags dense_needs (the copy is multiplied by oneDNN:
+    AMX / AVX512-BF16) and the copy fits the memory budget (`dense_copy_budget`).
+
+    Measured (benchmarks/product_paths.py, Intel Xeon with AMX-BF16, AVX512-BF16 and AVX512-VNNI,
+    one thread's CPU time for one decoder layer's products, microseconds, the fastest of 15):
+
+        SmolLM2-135M Q4_1      rows      1      4     16     64    256    512
+          int8 (PackedLinearQ8)        198    282    554   1538   6269  12837
+          float (dequantize per call)  745    905   4269   6348  14197  24139
+          bf16 copy (oneDNN, AMX)      735    717   1133   1557   3335   6097
+          fp32 copy (oneDNN)          1115   1134   1684   3409  10595  20089
+        Gemma-3-270M Q4_K_M (Q5_0 q/k/v and gate/up, Q8_0, Q4_K, Q6_K)
+          int8 (PackedLinearQ8Rows)   1127   1368   2935  11423  46124 109390
+          float                        931   1335   8138  10792  21967  37134
+          bf16 copy                   1286   1319   1498   2387   5242   9426
+          fp32 copy                   2101   2062   2973   5552  16047  31304
+
+    Q4_1: int8 is fastest up to 64 rows (tied with the bf16 copy at 64); above, the bf16 copy
+    takes half the time. The K-quant / Q5_0 kernels: the three paths are within 20% of each other
+    up to 4 rows, and from 16 rows the bf16 copy takes a half to a tenth of int8's time. So
+    DEFAULT_POLICY: int8 up to 64 rows (Q4_0 / Q4_1 / Q8_0) or 8 rows (the others), the bf16 copy
+    above where the CPU multiplies bf16 natively and memory allows; on other CPUs (no bf16 GEMM
+    worth a copy) int8 for every row count.
+    """
+
+    activations: str = "int8"
+    dense_above_rows: tuple[tuple[str, int], ...] = ()  # (int8 kernel, rows), e.g. (("linear_q8", 64),)
+    dense_dtype: str = "bfloat16"
+    dense_needs: frozenset[str] = BF16_CPU_FLAGS
+
+    def __post_init__(self) -> None:
+        if self.activations not in ("int8", "float"):
+            raise ValueError(f"policy activations must be int8 or float, got {self.activations!r}")
+        for kernel, rows in self.dense_above_rows:
+            if rows < 0:
+                raise ValueError(f"dense_above_rows of {kernel} must be >= 0, got {rows}")
+
+    def threshold(self, kernel: str) -> Optional[int]:
+        """The rows above which a weight of this int8 kernel takes its dense copy (None: never)."""
+        return dict(self.dense_above_rows).get(kernel)
+
+    def path(self, rows: int, kernel: str = "linear_q8") -> str:
+        """The path a call of `rows` rows takes for a weight of this int8 kernel: one of PATHS."""
+        above = self.threshold(kernel)
+        if above is not None and rows > above:
+            return "dense"
+        return self.activations
+
+    def keeps_copies(self, cpu_flags: frozenset[str]) -> bool:
+        """Whether a dense copy pays on a CPU with these flags (the policy has a dense path and the
+        CPU multiplies its dtype natively)."""
+        return bool(self.dense_above_rows) and bool(cpu_flags & self.dense_needs)
+
+
+DEFAULT_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_q8", 64), ("linear_kquant", 8)))  # auto, CPU
+INT8_POLICY = ProductPolicy("int8")  # --packed-activations int8: int8 for every row count
+EXACT_POLICY = ProductPolicy("float")  # --exact, --packed-activations float
+DENSE_COPY_EXPANSION = 4  # a copy holds at most 4x the packed bytes (bf16 of a 4-bit format: 3.2x)
+
+
+def policy_for(packed_activations: str, dense_copy_memory: float = 0.0) -> ProductPolicy:
+    """The policy of a resolved --packed-activations (int8 or float); dense copies only where
+    the defaults chose int8 (dense_copy_memory > 0)."""
+    if packed_activations == "float":
+        return EXACT_POLICY
+    return DEFAULT_POLICY if dense_copy_memory > 0 else INT8_POLICY
+
+
+def dense_copy_budget(packed_bytes: int, fraction: float, available_bytes: int) -> int:
+    """Bytes the dense copies may take: at most the packed bytes times DENSE_COPY_EXPANSION and
+    never beyond `fraction` of the memory available. dense_copy_budget(66e6, 0.25, 1e9) == 250e6"""
+    return int(min(packed_bytes * DENSE_COPY_EXPANSION, fraction * available_bytes))
+
+
+def available_memory() -> int:
+    """Bytes of memory the system has available (physical pages free), 0 where unknown."""
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+class DenseAbove(DirectCall, FastPath, nn.Module):
+    """A packed linear that takes `policy`'s path by the rows of each call: the int8 module it
+    holds, or above the policy's row threshold a dense copy of the weight (the same GGUF weights
+    dequantized once, reordered for oneDNN), the fp32 activations rounded to its dtype."""
+
+    def __init__(self, packed: PackedLinear, policy: ProductPolicy) -> None:
+        super().__init__()
+        self.packed, self.policy = packed, policy
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.fmt = packed.fmt
+        dtype = getattr(torch, policy.dense_dtype)
+        w = packed._dense_weight(dtype)  # [N, K], each weight rounded once from fp32
+        self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+        self.dense_bias = None if packed.bias is None else packed.bias.detach().to(dtype)
+        self.dense_bytes = w.numel() * w.element_size()
+        self.kernel_name = int8_kernel(packed.fmt.name)
+        above = policy.threshold(self.kernel_name)
+        self.threshold = above if above is not None else 1 << 62
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if self.policy.path(x2.shape[0], self.kernel_name) != "dense":
+            return self.packed(x)  # type: ignore[no-any-return]
+        return self._dense(x2).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_weight.dtype), self.dense_weight,  # type: ignore[no-any-return]
+                                                  self.dense_bias, "none", [], "")
+
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """The held module's bound product up to the threshold (bound first: children bind
+        before parents), the dense copy above it."""
+        packed, threshold, dense = self.packed, self.threshold, self._dense
+        eager = type(self).forward
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if x.dim() == 2 and x.dtype == torch.float32:
+                return packed(x) if x.shape[0] <= threshold else dense(x).float()  # type: ignore[no-any-return]
+            return eager(self, x)
+        return {"forward": forward}
+
+    def extra_repr(self) -> str:
+        return f"dense above {self.threshold} rows: {self.policy.dense_dtype} copy of {self.dense_bytes} bytes"
+
+
+def keep_dense_copies(model: nn.Module, policy: ProductPolicy, budget_bytes: int) -> int:
+    """Wrap the model's int8 packed linears (not the head: it multiplies only the sampled rows)
+    in DenseAbove, largest first while their copies fit budget_bytes. Returns the bytes kept."""
+    head = getattr(model, "lm_head", None)
+    found = [(owner, name, child) for owner in list(model.modules()) for name, child in owner.named_children()
+             if type(child) in (PackedLinearQ8, PackedLinearQ8Rows) and child is not head
+             and policy.threshold(int8_kernel(child.fmt.name)) is not None]
+    kept = 0
+    for owner, name, child in sorted(found, key=lambda f: -f[2].out_features * f[2].in_features):
+        size = child.out_features * child.in_features * DTYPE_BYTES[policy.dense_dtype]
+        if kept + size <= budget_bytes:
+            setattr(owner, name, DenseAbove(child, policy))
+            kept += size
+    return kept
+
+
+def int8_kernel(fmt: str) -> str:
+    """The compiled kernel that multiplies weights of format `fmt` by int8 activations."""
+    return "linear_q8" if fmt in PackedLinearQ8.FORMATS else FORMATS[fmt].kernel
+
+
+def missing_int8_kernels(formats: set[str]) -> list[str]:
+    """The int8 kernels the formats need that do not load here (each named once, sorted)."""
+    return sorted({int8_kernel(f) for f in formats if kernels.load(int8_kernel(f)) is None})
+
+
+def packed_formats(loaded: LoadedModel, weight_dtype: str = "auto") -> set[str]:
+    """The formats the model's packed matrices will have: the checkpoint's packed ones (kept with
+    weight_dtype auto), or the format --weight-dtype int8 / int4 packs float matrices to."""
+    if weight_dtype in QUANTIZE_TO:
+        return {QUANTIZE_TO[weight_dtype]}
+    if weight_dtype != "auto":
+        return set()
+    return {v.fmt.name for v in loaded.state_dict.values() if isinstance(v, PackedWeight)}

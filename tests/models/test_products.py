@@ -1,0 +1,157 @@
+"""The product policy (kvserve.models.products): the path its rule names for each row count, and
+the module the engine builds taking that path, shown by counting the calls each kernel gets
+through the module's own kernel object (not by timing)."""
+
+import pytest
+import torch
+
+from kvserve import kernels
+from kvserve.models.packed import PackedLinearQ8
+from kvserve.models.products import (DEFAULT_POLICY, DENSE_COPY_EXPANSION, EXACT_POLICY, INT8_POLICY, DenseAbove,
+                                     ProductPolicy, dense_copy_budget, int8_kernel, keep_dense_copies,
+                                     missing_int8_kernels, packed_formats, policy_for)
+from kvserve.modules import FastPath
+from kvserve.models import linear as linear_module
+from tests.conftest import make_engine
+
+ROWS = (1, 4, 16, 64, 256, 512)
+
+
+class Counting:
+    """A kernel module whose calls are counted by name, each passed on to the real one."""
+
+    def __init__(self, module):
+        self.module, self.calls = module, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.module, name)
+
+        def counted(*args, **kwargs):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*args, **kwargs)
+        return counted
+
+
+def test_the_policy_names_its_rule_for_each_row_count():
+    assert [DEFAULT_POLICY.path(r, "linear_q8") for r in ROWS] == ["int8"] * 4 + ["dense"] * 2  # above 64
+    assert [DEFAULT_POLICY.path(r, "linear_kquant") for r in ROWS] == ["int8"] * 2 + ["dense"] * 4  # above 8
+    assert [INT8_POLICY.path(r, k) for r in ROWS for k in ("linear_q8", "linear_kquant")] == ["int8"] * 12
+    assert [EXACT_POLICY.path(r) for r in ROWS] == ["float"] * len(ROWS)
+    assert policy_for("int8", 0.25) is DEFAULT_POLICY and policy_for("int8", 0.0) is INT8_POLICY
+    assert policy_for("float", 0.25) is EXACT_POLICY
+    assert DEFAULT_POLICY.keeps_copies(frozenset({"amx_bf16"})) and not DEFAULT_POLICY.keeps_copies(frozenset({"avx2"}))
+    assert not INT8_POLICY.keeps_copies(frozenset({"amx_bf16"}))
+    with pytest.raises(ValueError, match="policy activations must be int8 or float, got 'int4'"):
+        ProductPolicy("int4")
+    with pytest.raises(ValueError, match="dense_above_rows of linear_q8 must be >= 0"):
+        ProductPolicy("int8", dense_above_rows=(("linear_q8", -1),))
+
+
+def test_the_copies_budget():
+    assert dense_copy_budget(66_000_000, 0.25, 10**9) == 250_000_000  # a quarter of available memory
+    assert dense_copy_budget(66_000_000, 0.25, 10**12) == 66_000_000 * DENSE_COPY_EXPANSION  # the expansion
+    assert dense_copy_budget(66_000_000, 0.0, 10**12) == 0
+
+
+def test_int8_kernels_and_formats(smollm2, stories):
+    assert int8_kernel("q4_1") == int8_kernel("q8_0") == "linear_q8"
+    assert int8_kernel("q4_k") == int8_kernel("q5_0") == "linear_kquant"
+    assert packed_formats(smollm2) == {"q4_1", "q8_0"}
+    assert packed_formats(smollm2, "float32") == set()
+    assert packed_formats(stories) == set() and packed_formats(stories, "int4") == {"q4_1"}
+    built = kernels.load("linear_q8") is not None
+    assert missing_int8_kernels({"q4_1"}) == ([] if built else ["linear_q8"])
+
+
+def count_calls(linear, rows):
+    """Calls of the int8 kernel, the float kernel and the dense copy as `linear` multiplies
+    `rows` rows through its eager forward (the fast forms bound the kernels before they were
+    counted); the output's shape checked."""
+    dense = linear if isinstance(linear, DenseAbove) else None
+    packed = dense.packed if dense is not None else linear
+    int8 = Counting(packed.q8) if isinstance(packed, PackedLinearQ8) else None
+    flt = Counting(packed.kernel)
+    copy = Counting(dense) if dense is not None else None
+    if int8 is not None:
+        packed.q8 = int8
+    packed.kernel = flt
+    if copy is not None:
+        dense._dense = copy._dense
+    try:
+        with torch.no_grad():
+            y = linear(torch.randn(rows, linear.in_features))
+    finally:
+        if int8 is not None:
+            packed.q8 = int8.module
+        packed.kernel = flt.module
+        if copy is not None:
+            del dense._dense
+    assert y.shape == (rows, linear.out_features)
+    return (int8.calls.get("linear_q8", 0) if int8 else 0), sum(flt.calls.values()), \
+        (copy.calls.get("_dense", 0) if copy else 0)
+
+
+def unbind(module):
+    for m in module.modules():
+        if isinstance(m, FastPath):
+            m.unbind()
+
+
+def test_the_defaults_take_the_policys_path_at_every_row_count(smollm2):
+    if kernels.load("linear_q8") is None:
+        pytest.skip("the int8 kernel is not built here")
+    engine = make_engine(smollm2, max_model_len=256)
+    policy = policy_for(engine.config.packed_activations, engine.config.dense_copy_memory)
+    assert policy is DEFAULT_POLICY
+    linear = engine.model.model.layers[0].mlp.down_proj
+    copies = policy.keeps_copies(kernels.cpu_flags()) and linear_module.onednn_bf16_supported()
+    assert isinstance(linear, DenseAbove) == copies
+    with torch.no_grad():  # the runner's bound form takes the same path as the eager one
+        fast = {rows: linear(x) for rows, x in ((r, torch.randn(r, linear.in_features)) for r in (16, 128))}
+    unbind(linear)
+    for rows in ROWS:
+        int8_calls, float_calls, dense_calls = count_calls(linear, rows)
+        if policy.path(rows, "linear_q8") == "dense" and copies:
+            assert (int8_calls, float_calls, dense_calls) == (0, 0, 1), rows
+        else:
+            assert (int8_calls, float_calls, dense_calls) == (1, 0, 0), rows
+    assert fast[16].shape == (16, linear.out_features)
+
+
+def test_the_bound_and_eager_forms_agree(smollm2):
+    if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
+        pytest.skip("no int8 kernel or no oneDNN bf16 here")
+    engine = make_engine(smollm2, max_model_len=256)
+    linear = engine.model.model.layers[0].mlp.down_proj
+    xs = [torch.randn(r, linear.in_features) for r in (3, 64, 65, 300)]
+    with torch.no_grad():
+        fast = [linear(x) for x in xs]
+        unbind(linear)
+        eager = [linear(x) for x in xs]
+    assert all(torch.equal(a, b) for a, b in zip(fast, eager))
+
+
+@pytest.mark.parametrize("options, path", [(dict(exact=True), "float"), (dict(packed_activations="int8"), "int8")])
+def test_a_named_path_takes_every_row_count(smollm2, options, path):
+    if kernels.load("linear_q8") is None:
+        pytest.skip("the int8 kernel is not built here")
+    engine = make_engine(smollm2, max_model_len=256, **options)
+    linear = engine.model.model.layers[0].mlp.down_proj
+    assert not any(isinstance(m, DenseAbove) for m in engine.model.modules())
+    unbind(linear)
+    for rows in ROWS:
+        int8_calls, float_calls, dense_calls = count_calls(linear, rows)
+        # float: up to 8 rows the float kernel's product; beyond, the weight dequantized by it once
+        assert (int8_calls, float_calls, dense_calls) == ((1, 0, 0) if path == "int8" else (0, 1, 0)), rows
+
+
+def test_copies_stay_within_the_budget(smollm2):
+    if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
+        pytest.skip("no int8 kernel or no oneDNN bf16 here")
+    engine = make_engine(smollm2, max_model_len=256, packed_activations="int8")
+    one_layer = sum(m.out_features * m.in_features * 2 for m in engine.model.model.layers[0].modules()
+                    if isinstance(m, PackedLinearQ8))
+    kept = keep_dense_copies(engine.model, DEFAULT_POLICY, one_layer)
+    copies = [m for m in engine.model.modules() if isinstance(m, DenseAbove)]
+    assert 0 < kept <= one_layer and sum(m.dense_bytes for m in copies) == kept
+    assert not isinstance(engine.model.lm_head, DenseAbove)  # the head multiplies only the sampled rows
