@@ -124,7 +124,8 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
         if reason is None:
             try:
                 hf_directory(default_model_path())
-                runs.setdefault(peer, []).append(vllm_throughput(path, peer_dtype, threads)["output_tokens_per_s"])
+                figure = vllm_throughput(path, peer_dtype, threads)["output_tokens_per_s"]
+                runs.setdefault(peer, []).append(figure)  # (a failed run leaves no empty list behind)
             except Exception as e:  # noqa: BLE001 - the peer's failure is reported, not fatal
                 reason = f"vLLM-CPU failed: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}"
         print(f"throughput repeat {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()), flush=True)

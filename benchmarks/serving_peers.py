@@ -323,10 +323,10 @@ def main() -> None:
     machine = Machine.here(a.threads)
     model = default_model_path()
     run: dict[str, Any] = {"date": now_utc(), "machine": machine.as_dict(), "load_before": load_average(),
-                           "command": " ".join(["benchmarks/serving_peers.py", *sys.argv[1:]]),
-                           "workload": {"num_prompts": a.num_prompts, "input_len": a.input_len,
-                                        "output_len": a.output_len, "repeats": a.repeats}}
-    if a.only in ("all", "serving"):
+                           "command": " ".join(["benchmarks/serving_peers.py", *sys.argv[1:]])}
+    if a.only in ("all", "serving"):  # the workload stored with the results it gave (tables merge parts by run)
+        run["workload"] = {"num_prompts": a.num_prompts, "input_len": a.input_len, "output_len": a.output_len,
+                           "repeats": a.repeats}
         run["results"], run["servers"] = serving(model, a)
         report(run["results"])
     if a.only in ("all", "overhead"):

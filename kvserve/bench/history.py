@@ -51,12 +51,17 @@ def load_history(path: Path) -> dict[str, Any]:
 
 
 def latest_runs(directory: Path) -> dict[str, Run]:
-    """Each machine kind's newest run, by kind (sorted): {"amd-epyc-zen3-avx2": {...}, ...}."""
+    """Each machine kind's newest figures, by kind (sorted): {"amd-epyc-zen3-avx2": {...}, ...}.
+    A run may measure only some parts (`--only throughput`), so each part comes from the newest
+    run that has it: the runs merged oldest first, a newer run's parts replacing an older's."""
     latest: dict[str, Run] = {}
     for path in sorted(directory.glob("*.json")):
-        runs = load_history(path)["runs"]
+        runs = sorted(load_history(path)["runs"], key=lambda r: r.get("date", ""))
         if runs:
-            latest[path.stem] = max(runs, key=lambda r: r.get("date", ""))
+            merged: Run = {}
+            for run in runs:
+                merged.update(run)
+            latest[path.stem] = merged
     return latest
 
 
@@ -72,7 +77,7 @@ def machine_line(run: Run) -> str:
     load = run.get("load_before")
     busy = f"; load average before: {' '.join(f'{x:.2f}' for x in load)}" if load else ""
     return (f"**{m['kind']}**: {m['cpu_model']}, {m['cores']} cores, {m['threads']} threads, kernels at "
-            f"{m['kernel_level']}, torch {m['torch']}; {run['date']}{busy}")
+            f"{m['kernel_level']}, torch {m['torch']}; newest run {run['date']}{busy}")
 
 
 def replace_section(doc: str, name: str, body: str) -> str:
