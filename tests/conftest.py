@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import pytest
 
@@ -90,6 +91,18 @@ def make_engine(loaded: Any, **options: Any):
     from kvserve.engine.llm_engine import LLMEngine
     options.setdefault("num_blocks", 256)
     return LLMEngine.from_options("preloaded", loaded=loaded, **options)
+
+
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch (and the kernels' at::parallel_for) on n threads inside the block, as before after it."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def make_llm(loaded: Any, **options: Any):

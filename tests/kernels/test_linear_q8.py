@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, dequantize_torch, linear_q8_reference, quantize
-from tests.conftest import compiled_kernel, kernel_isas
+from tests.conftest import compiled_kernel, kernel_isas, torch_threads
 
 ISAS = kernel_isas("linear_q8")
 FMTS = ["q4_0", "q4_1", "q8_0"]
@@ -91,12 +91,8 @@ def test_two_threads_give_the_products_of_one(isa, fmt):
             x = torch.randn(m, k, generator=g)
             ys = []
             for threads in (1, 2):
-                before = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
+                with torch_threads(threads):
                     ys.append(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None))
-                finally:
-                    torch.set_num_threads(before)
             assert torch.equal(ys[0], ys[1]), (n, k, m)
 
 

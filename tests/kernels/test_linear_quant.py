@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.models.packed import FORMATS, PackedWeight, dequantize_torch, quantize
-from tests.conftest import compiled_kernel, kernel_isas
+from tests.conftest import compiled_kernel, kernel_isas, torch_threads
 
 ISAS = kernel_isas("linear_quant")
 FMTS = sorted(f for f in FORMATS if FORMATS[f].kernel == "linear_quant")  # the others: test_kquants.py
@@ -92,12 +92,8 @@ def test_two_threads_give_the_products_of_one(isa, fmt):
             x = torch.randn(m, k, generator=g)
             ys = []
             for threads in (1, 2):
-                before = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
+                with torch_threads(threads):
                     ys.append(kernel.linear_quant(x, p.data, p.fmt.ggml_type, k, None))
-                finally:
-                    torch.set_num_threads(before)
             assert torch.equal(ys[0], ys[1]), (n, k, m)
 
 

@@ -13,7 +13,7 @@ from kvserve.attention.backend import AttentionMetadata
 from kvserve.attention.cpu_kernel import decode_kernel
 from kvserve.attention.torch_backend import TorchAttentionBackend
 from kvserve.kv.storage import KVStorage, make_storage
-from tests.conftest import compiled_kernel, kernel_isas
+from tests.conftest import compiled_kernel, kernel_isas, torch_threads
 
 BLOCK = 16
 FORMATS = ["float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2", "int4"]
@@ -67,15 +67,11 @@ def kernel_errors(module, q: torch.Tensor, storage: KVStorage, table: torch.Tens
     """The kernel's largest difference from torch at 1 and at 2 threads."""
     ref = torch_decode(q, storage, table, lens, window)
     kernel, errors = decode_kernel(module, storage), []
-    before = torch.get_num_threads()
-    try:
-        for threads in (1, 2):
-            torch.set_num_threads(threads)
+    for threads in (1, 2):
+        with torch_threads(threads):
             out = kernel(q, *storage.decode_operands(0), table, lens, q.shape[-1] ** -0.5, window)
-            assert torch.isfinite(out).all()
-            errors.append((out - ref).abs().max().item())
-    finally:
-        torch.set_num_threads(before)
+        assert torch.isfinite(out).all()
+        errors.append((out - ref).abs().max().item())
     return errors
 
 
