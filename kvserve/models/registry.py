@@ -186,20 +186,18 @@ def _is_matrix(name: str) -> bool:
 
 def checkpoint_dtype(loaded: LoadedModel) -> str:
     """What the checkpoint stores its large matrices as (kvserve.config.CHECKPOINT_DTYPES):
-    "packed" where any is in GGUF blocks, else the float dtype most of them hold. A GGUF's F16 and
-    BF16 matrices reach the state dict as float32 (the loader dequantizes them), so for a GGUF of
-    float matrices the file's tensor types are read (its header only)."""
+    "packed" where any is in GGUF blocks, else the float dtype most of them hold (a GGUF's F16 and
+    BF16 matrices load as float16 / bfloat16, so the state dict says it for every format)."""
     matrices = [v for k, v in loaded.state_dict.items() if _is_matrix(k)]
     if any(isinstance(v, PackedWeight) for v in matrices):
         return "packed"
-    if loaded.model_id.startswith("gguf:"):  # "gguf:<absolute path>:<size>"
-        return _gguf_matrix_dtype(loaded.model_id[5:].rpartition(":")[0])
     names = [TORCH_DTYPE_NAMES.get(v.dtype, "float32") for v in matrices]
     return max(set(names), key=names.count) if names else "float32"
 
 
 def _gguf_matrix_dtype(path: str) -> str:
-    """From a GGUF's header: "packed" where a matrix is in blocks, else its matrices' float type."""
+    """From a GGUF's header (no weights read): "packed" where a matrix is in blocks, else its
+    matrices' float type."""
     if not os.path.exists(path):
         return "float32"
     types = [t.ggml_type for t in GGUFFile(path).tensors if len(t.shape) == 2]
