@@ -120,6 +120,7 @@ class TieredPrefixCache:
         self._queue.put(entry)
 
     def _write_loop(self) -> None:
+        torch.set_num_threads(1)  # its copies run inline: no OpenMP pool beside the engine's (server/async_engine.py)
         while (entry := self._queue.get()) is not None:
             try:
                 self._store(entry)

@@ -21,6 +21,7 @@ import hmac
 import json
 import logging
 import os
+import threading
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -59,9 +60,13 @@ API_FIELDS = {"structured": "response_format"}  # the engine's name of a field -
 
 
 def create_app(engine: LLMEngine, model_name: str, api_key: Optional[str] = None,
-               max_body_bytes: int = 1 << 20, tool_call_parser: Optional[str] = None) -> FastAPI:
+               max_body_bytes: int = 1 << 20, tool_call_parser: Optional[str] = None,
+               engine_thread: bool = True) -> FastAPI:
+    """The app; its lifespan starts the engine loop on a thread of its own, or with
+    engine_thread False leaves it to the caller (app.state.async_engine.run_here(), as serve())."""
     metrics_holder: dict[str, ServerMetrics] = {}
-    aengine = AsyncEngine(engine, on_finished=lambda out: metrics_holder["m"].finished(out))
+    aengine = AsyncEngine(engine, on_finished=lambda out: metrics_holder["m"].finished(out),
+                          own_thread=engine_thread)
     metrics = ServerMetrics(lambda: aengine.stats)
     metrics_holder["m"] = metrics
 
@@ -761,7 +766,12 @@ def _joined(a: Optional[dict[str, Any]], b: Optional[dict[str, Any]]) -> Optiona
 
 def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     """Serve an engine built from flat options (from `kvserve serve`'s flags, which bound the
-    waiting queue and log stats by default: SERVE_ENGINE_DEFAULTS)."""
+    waiting queue and log stats by default: SERVE_ENGINE_DEFAULTS).
+
+    The engine's loop runs on this thread, the one that loaded the model, and HTTP on another
+    (kvserve.server.async_engine says why); SIGINT and SIGTERM start the graceful shutdown."""
+    import signal
+
     import uvicorn
 
     from kvserve.config import env_api_key
@@ -769,7 +779,7 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     engine = LLMEngine.from_options(model, **engine_options)
     name = o.served_model_name or _default_name(model)
     api_key = o.api_key or env_api_key()
-    app = create_app(engine, name, api_key, o.max_body_bytes, o.tool_call_parser)
+    app = create_app(engine, name, api_key, o.max_body_bytes, o.tool_call_parser, engine_thread=False)
     logger.info("serving %s on http://%s:%d (%d KV blocks of %d tokens, %s auth)", name, o.host, o.port,
                 engine.plan.num_blocks, engine.plan.block_size, "API-key" if api_key else "no")
     # the grace period as given (fractions too); streams still open near its end are ended with
@@ -779,9 +789,41 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     server = _GracefulServer(config)
     server.before_cut = (max(o.shutdown_timeout - END_STREAMS_BEFORE_S, 0.0),
                          lambda: app.state.async_engine.end_all("the server is shutting down"))
-    server.run()
+    http = _HttpThread(server)
+    in_main = threading.current_thread() is threading.main_thread()  # only it may set handlers
+    previous = {sig: signal.signal(sig, server.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)} \
+        if in_main else {}
+    try:
+        http.start()
+        app.state.async_engine.run_here(until=lambda: not http.is_alive())
+        http.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     gc.freeze()  # the interpreter's exit then skips a last collection over every object (0.3 -> 0.1 s)
-    return 0
+    return http.exit_code
+
+
+class _HttpThread(threading.Thread):
+    """uvicorn's server on a thread of its own (its signal handlers are the caller's to set: the
+    server's handle_exit); exit_code 0, or 1 where it failed (a port in use: uvicorn exits)."""
+
+    def __init__(self, server: Any) -> None:
+        super().__init__(name="kvserve-http", daemon=True)
+        self.server, self.exit_code = server, 0
+
+    def run(self) -> None:
+        import torch
+        torch.set_num_threads(1)  # no OpenMP pool of its own beside the engine's (async_engine.py)
+        try:
+            self.server.run()
+            if not self.server.started:
+                self.exit_code = 1
+        except SystemExit as e:
+            self.exit_code = e.code if isinstance(e.code, int) else 1
+        except BaseException:
+            logger.exception("the HTTP server failed")
+            self.exit_code = 1
 
 
 def _graceful_server_class():  # type: ignore[no-untyped-def]
@@ -806,6 +848,9 @@ def _graceful_server_class():  # type: ignore[no-untyped-def]
 
         @contextlib.contextmanager
         def capture_signals(self):  # type: ignore[no-untyped-def]
+            if threading.current_thread() is not threading.main_thread():  # serve() set them
+                yield
+                return
             sigs = (signal.SIGINT, signal.SIGTERM)
             original = {sig: signal.signal(sig, self.handle_exit) for sig in sigs}
             try:

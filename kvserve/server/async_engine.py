@@ -1,8 +1,15 @@
-"""AsyncEngine: one engine loop, on its own thread, feeding every connection.
+"""AsyncEngine: one engine loop feeding every connection, on its own thread or on the caller's.
 
 The engine is touched by that thread only. The event loop hands it commands (add, abort) through
 a queue and gets back futures and per-request output queues, so an HTTP handler never waits for a
 model step and a model step never waits for HTTP.
+
+`kvserve serve` runs the loop on the main thread, the one that loaded the model, and HTTP on
+another (`run_here`): torch's OpenMP keeps one pool of worker threads per thread that starts a
+parallel region, and once two pools exist on 2 cores (more workers than CPUs) every worker sleeps
+between regions instead of spinning. Each of the ~300 kernel calls of a decode step then waits on
+a futex wake-up (~60 us): a step run from a second thread took 17 ms instead of 5.5
+(benchmarks/serving_peers.py --only overhead).
 """
 
 from __future__ import annotations
@@ -62,8 +69,11 @@ class _Add:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, on_finished: Optional[Callable[[RequestOutput], None]] = None,
-                 max_unread_s: float = MAX_UNREAD_S, pause_after_s: float = PAUSE_AFTER_S) -> None:
+                 max_unread_s: float = MAX_UNREAD_S, pause_after_s: float = PAUSE_AFTER_S,
+                 own_thread: bool = True) -> None:
+        """own_thread False: start() starts nothing and the caller runs the loop (run_here)."""
         self.engine = engine
+        self.own_thread = own_thread
         self.max_unread_s = max_unread_s
         self.pause_after_s = pause_after_s
         self.on_finished = on_finished  # metrics hook, called on the engine thread
@@ -72,15 +82,30 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.stats: EngineStats = engine.stats()
         self.num_steps_failed = 0
-        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread: Optional[threading.Thread] = None
+        self._loop_done = threading.Event()  # the loop has returned (set until it first runs)
+        self._loop_done.set()
 
     def start(self) -> None:
-        self._thread.start()
+        """Run the loop on a thread of its own (own_thread), else nothing: run_here() runs it."""
+        if self.own_thread:
+            self._loop_done.clear()
+            self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
+            self._thread.start()
+
+    def run_here(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Run the loop on the calling thread until stop() or until() is true (checked between
+        steps and at least every 0.1 s). For an AsyncEngine made with own_thread False."""
+        if self.own_thread:
+            raise RuntimeError("this AsyncEngine runs its loop on its own thread (own_thread=True)")
+        self._loop_done.clear()
+        self._run_loop(until)
 
     def stop(self, timeout: float = 5.0) -> None:
+        """End the loop and wait (at most timeout) for its last step to end."""
         self._stop.set()
         self._commands.put(None)
-        self._thread.join(timeout)
+        self._loop_done.wait(timeout)
 
     @property
     def num_in_flight(self) -> int:
@@ -133,8 +158,14 @@ class AsyncEngine:
         self._commands.put(("end_all", message))
 
     # ---- the engine thread ----
-    def _run(self) -> None:
-        while not self._stop.is_set():
+    def _run_loop(self, until: Callable[[], bool] = lambda: False) -> None:
+        try:
+            self._run(until)
+        finally:
+            self._loop_done.set()
+
+    def _run(self, until: Callable[[], bool]) -> None:
+        while not self._stop.is_set() and not until():
             # a paused request waits for its reader, not for a step: the thread waits for commands
             self._drain_commands(block=not self.engine.has_runnable())
             if not self.engine.has_runnable():

@@ -260,3 +260,59 @@ def test_unicode_and_numbers_fuzzing_finds_no_500(smollm2_server):
     check()
     assert not failures, failures[:3]
     assert httpx.get(smollm2_server.url + "/health").status_code == 200
+
+
+def test_serve_steps_the_engine_on_the_thread_that_loaded_it(monkeypatch):
+    """serve() keeps torch's work on one thread (a second thread's OpenMP pool made every kernel
+    call wait on a wake-up: kvserve.server.async_engine): the engine is loaded and stepped on the
+    caller's thread, HTTP answered on another, and SIGTERM still ends it with exit code 0."""
+    import threading
+
+    from kvserve.engine.llm_engine import LLMEngine
+    from kvserve.server.app import serve
+    from kvserve.server.args import ServeOptions
+    threads = {"load": set(), "step": set()}
+    load, step = LLMEngine.from_options.__func__, LLMEngine.step
+
+    def loading(cls, *args, **kwargs):
+        threads["load"].add(threading.get_ident())
+        return load(cls, *args, **kwargs)
+
+    def stepping(self):
+        threads["step"].add(threading.get_ident())
+        return step(self)
+    monkeypatch.setattr(LLMEngine, "from_options", classmethod(loading))
+    monkeypatch.setattr(LLMEngine, "step", stepping)
+    port, answers = free_port(), []
+
+    def client() -> None:
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 120
+            while not healthy(url)() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            answers.append(httpx.post(url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5},
+                                      timeout=60).json())
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)  # serve() turns it into the graceful shutdown
+    before = signal.getsignal(signal.SIGTERM)
+    asker = threading.Thread(target=client)
+    asker.start()
+    code = serve(str(STORIES_DIR), {"num_blocks": 64}, ServeOptions(port=port, shutdown_timeout=5, log_level="warning"))
+    asker.join()
+    assert code == 0 and answers[0]["usage"]["completion_tokens"] == 5
+    assert threads["load"] == threads["step"] == {threading.get_ident()}
+    assert signal.getsignal(signal.SIGTERM) is before  # serve()'s handler was put back
+
+
+def test_serve_on_a_port_in_use_exits_with_an_error():
+    """The HTTP thread's failure to bind ends the engine's loop too: a non-zero exit naming it."""
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        out = subprocess.run([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(STORIES_DIR),
+                              "--port", str(s.getsockname()[1]), "--num-blocks", "64"],
+                             capture_output=True, text=True, timeout=180)
+    assert out.returncode != 0 and "address already in use" in out.stdout + out.stderr
