@@ -304,8 +304,10 @@ def is_plain_greedy(params: SamplingParams) -> bool:
 
 def greedy_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> list[list[int]]:
     """Each row's argmax (the first of tied maxima, as Sampler.general takes it), num_samples
-    times: a plain greedy batch in one tensor op and one list, whatever its size."""
-    ids = logits.argmax(-1).tolist()
+    times: a plain greedy batch in one tensor op and one list, whatever its size. torch's
+    max(-1) gives argmax's indices (the first of tied maxima, NaN first) in 0.8 ms where argmax
+    takes 2.0 (64 x 49,152 fp32 logits, 2 threads): argmax's reduction is not vectorized."""
+    ids = logits.max(-1).indices.tolist()
     return [[t] * s.num_samples for t, s in zip(ids, seqs)]
 
 

@@ -31,9 +31,10 @@ def tricky_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("rows,seed", [(1, 0), (3, 1), (16, 2), (64, 3)])
-def test_greedy_tokens_equal_the_general_sampler(rows, seed):
-    logits = tricky_logits(rows, 97, seed)
+@pytest.mark.parametrize("rows,vocab,seed", [(1, 97, 0), (3, 97, 1), (16, 97, 2), (64, 97, 3), (64, 49_152, 4)])
+def test_greedy_tokens_equal_the_general_sampler(rows, vocab, seed):
+    """(a real vocabulary's width takes torch's vectorized, threaded reductions)"""
+    logits = tricky_logits(rows, vocab, seed)
     seqs = [seq(f"r{i}", SamplingParams(temperature=0.0), n=1 + i % 3) for i in range(rows)]
     general, logprobs = Sampler(0).general(logits.clone(), seqs)
     assert greedy_tokens(logits, seqs) == general
