@@ -63,6 +63,16 @@ struct Shape {
   int64_t row(int64_t blk, int64_t i, int64_t kh) const { return (blk * BS + i) * KVH + kh; }  // [nb, BS, KVH]
 };
 
+// Asks the caches for n rows of row_bytes bytes, stride_bytes apart, from p on. A context's blocks
+// lie anywhere in the pool, so the hardware prefetchers, which follow one address stream, lose
+// it at every block: a decode step over a batch of contexts out of DRAM stalled on each block's
+// first rows. The sources below prefetch a block's rows before its turn.
+inline void prefetch_rows(const void* p, int64_t n, int64_t row_bytes, int64_t stride_bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(c + i * stride_bytes + at);
+}
+
 // fp16 -> fp32 by the F16C instructions where the build has them (c10::Half's own conversion is
 // bit arithmetic in software, which made half the cost of an int4 block).
 inline float h2f(c10::Half h) {
@@ -87,6 +97,9 @@ template <typename T>
 struct Dense {
   const T* cache;
   Shape s;
+  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
+    prefetch_rows(cache + s.row(blk, 0, kh) * s.D, n, s.D * sizeof(T), s.KVH * s.D * sizeof(T));
+  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const T* base = cache + s.row(blk, 0, kh) * s.D;
     if constexpr (std::is_same_v<T, float>) {
@@ -128,6 +141,9 @@ struct Int8 {
   const int8_t* q;
   const float* scale;
   Shape s;
+  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
+    prefetch_rows(q + s.row(blk, 0, kh) * s.D, n, s.D, s.KVH * s.D);
+  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     for (int64_t i = 0; i < n; ++i) {
       const int8_t* __restrict__ r = q + s.row(blk, i, kh) * s.D;
@@ -171,6 +187,9 @@ struct Fp8 {
   const float* head_scale;  // [KVH]
   bool e4m3;
   Shape s;
+  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
+    prefetch_rows(q + s.row(blk, 0, kh) * s.D, n, s.D, s.KVH * s.D);
+  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const float hs = head_scale[kh];
     for (int64_t i = 0; i < n; ++i) {
@@ -197,6 +216,10 @@ struct Int4 {
   const int64_t* slot_of;
   Dense<R> residual;
   Shape s;
+  void prefetch(int64_t blk, int64_t kh, int64_t n) const {
+    if (slot_of[blk] >= 0) return residual.prefetch(slot_of[blk], kh, n);
+    prefetch_rows(q + s.row(blk, 0, kh) * (s.D / 2), n, s.D / 2, s.KVH * (s.D / 2));
+  }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     if (slot_of[blk] >= 0) return residual.rows(slot_of[blk], kh, n, buf);
     const int64_t D = s.D, half = D / 2;
@@ -253,6 +276,7 @@ inline void for_each_row(const Src& src, const int64_t* table, int64_t begin, in
                          float* buf, RowFn&& row) {
   for (int64_t t0 = begin / BS * BS; t0 < L; t0 += BS) {
     const int64_t n = std::min(BS, L - t0);
+    if (t0 + BS < L) src.prefetch(table[t0 / BS + 1], kh, std::min(BS, L - t0 - BS));
     const Rows r = src.rows(table[t0 / BS], kh, n, buf);
     for (int64_t i = std::max<int64_t>(0, begin - t0); i < n; ++i) row(t0 + i - begin, r.ptr + i * r.stride);
   }
@@ -472,6 +496,11 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
       for (int64_t kh = 0; kh < KVH; ++kh) scaled_queries(q, b, kh, H, G, D, scale, qf.data() + kh * G * D);
       for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
         const int64_t i0 = std::max<int64_t>(0, span.begin - t0), n = std::min(BS, span.end - t0);
+        if (t0 + BS < span.end)
+          for (int64_t kh = 0; kh < KVH; ++kh) {
+            ks.prefetch(table[t0 / BS + 1], kh, std::min(BS, span.end - t0 - BS));
+            vs.prefetch(table[t0 / BS + 1], kh, std::min(BS, span.end - t0 - BS));
+          }
         for (int64_t kh = 0; kh < KVH; ++kh) {
           const Rows kr = ks.rows(table[t0 / BS], kh, n, kbuf.data());
           for (int64_t g = 0; g < G; ++g) {
@@ -540,12 +569,14 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
 
 // The scores of a part's positions against the G query heads of K/V head kh (qf [G, D], scaled):
 // s[g * Lp + t] for position span.begin + t, 16 rows of a block at a time.
-template <int NV, typename KSrc>
-void part_scores(const float* qf, const KSrc& ks, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
-                 int64_t G, int64_t Lp, float* buf, float* s) {
+template <int NV, typename KSrc, typename VSrc>
+void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS,
+                 int64_t kh, int64_t G, int64_t Lp, float* buf, float* s) {
   constexpr int64_t D = NV * 16;
   for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
     const int64_t n = std::min(BS, span.end - t0);
+    if (t0 + BS < span.end) ks.prefetch(table[t0 / BS + 1], kh, std::min(BS, span.end - t0 - BS));
+    vs.prefetch(table[t0 / BS], kh, n);  // for part_values, which follows
     const Rows r = ks.rows(table[t0 / BS], kh, n, buf);
     for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
       const Rows rows16{r.ptr + i0 * r.stride, r.stride};
@@ -610,7 +641,7 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
       const int64_t L = span.end - span.begin, Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
-      part_scores<NV>(qf.data(), ks, table, span, BS, kh, G, Lp, buf.data(), scores.data());
+      part_scores<NV>(qf.data(), ks, vs, table, span, BS, kh, G, Lp, buf.data(), scores.data());
       const int64_t at = st.at(b, part, kh * G);  // the G heads of kh are consecutive
       for (int64_t g = 0; g < G; ++g)
         std::tie(st.m[at + g], st.l[at + g]) = part_softmax(scores.data() + g * Lp, L, Lp);
