@@ -129,21 +129,32 @@ def available_memory() -> int:
 class DenseAbove(DirectCall, FastPath, nn.Module):
     """A packed linear that takes `policy`'s path by the rows of each call: the int8 module it
     holds, or above the policy's row threshold a dense copy of the weight (the same GGUF weights
-    dequantized once, reordered for oneDNN), the fp32 activations rounded to its dtype."""
+    dequantized once, reordered for oneDNN), the fp32 activations rounded to its dtype.
+
+    The copy is made by the first call that needs it, not at load: about 1.5 s for SmolLM2's 210
+    matrices, which a run that never multiplies more rows than the threshold (a short chat, a
+    decode-only benchmark) never pays; `make_copy()` makes it ahead (a server before it listens)."""
 
     def __init__(self, packed: PackedLinear, policy: ProductPolicy) -> None:
         super().__init__()
         self.packed, self.policy = packed, policy
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.fmt = packed.fmt
-        dtype = getattr(torch, policy.dense_dtype)
-        w = packed._dense_weight(dtype)  # [N, K], each weight rounded once from fp32
-        self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-        self.dense_bias = None if packed.bias is None else packed.bias.detach().to(dtype)
-        self.dense_bytes = w.numel() * w.element_size()
+        self.dense_dtype = getattr(torch, policy.dense_dtype)
+        self.dense_weight: Optional[torch.Tensor] = None  # made by make_copy()
+        self.dense_bias: Optional[torch.Tensor] = None
+        self.dense_bytes = self.out_features * self.in_features * DTYPE_BYTES[policy.dense_dtype]
         self.kernel_name = int8_kernel(packed.fmt.name)
         above = policy.threshold(self.kernel_name)
         self.threshold = above if above is not None else 1 << 62
+
+    def make_copy(self) -> None:
+        """The dense copy, once: each weight rounded once from fp32, reordered for oneDNN."""
+        if self.dense_weight is None:
+            w = self.packed._dense_weight(self.dense_dtype)  # [N, K]
+            self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            bias = self.packed.bias
+            self.dense_bias = None if bias is None else bias.detach().to(self.dense_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
@@ -152,7 +163,9 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return self._dense(x2).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_weight.dtype), self.dense_weight,  # type: ignore[no-any-return]
+        if self.dense_weight is None:
+            self.make_copy()
+        return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_dtype), self.dense_weight,  # type: ignore[no-any-return]
                                                   self.dense_bias, "none", [], "")
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
@@ -168,7 +181,8 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return {"forward": forward}
 
     def extra_repr(self) -> str:
-        return f"dense above {self.threshold} rows: {self.policy.dense_dtype} copy of {self.dense_bytes} bytes"
+        made = "made" if self.dense_weight is not None else "made at first use"
+        return f"dense above {self.threshold} rows: {self.policy.dense_dtype} copy of {self.dense_bytes} bytes ({made})"
 
 
 def keep_dense_copies(model: nn.Module, policy: ProductPolicy, budget_bytes: int) -> int:
@@ -185,6 +199,17 @@ def keep_dense_copies(model: nn.Module, policy: ProductPolicy, budget_bytes: int
             setattr(owner, name, DenseAbove(child, policy))
             kept += size
     return kept
+
+
+def make_dense_copies(model: nn.Module) -> int:
+    """Make every DenseAbove's copy now (they are otherwise made by their first large call).
+    Returns their bytes."""
+    made = 0
+    for m in model.modules():
+        if isinstance(m, DenseAbove):
+            m.make_copy()
+            made += m.dense_bytes
+    return made
 
 
 def int8_kernel(fmt: str) -> str:

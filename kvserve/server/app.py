@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.engine.llm_engine import LLMEngine, QueueFullError
 from kvserve.engine.outputs import RequestOutput
+from kvserve.models.products import make_dense_copies
 from kvserve.server.async_engine import AsyncEngine
 from kvserve.server.errors import APIError, error_response
 from kvserve.server.fields import IGNORED_HEADER, FieldPolicy
@@ -777,6 +778,8 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
     from kvserve.config import env_api_key
     logging.basicConfig(level=o.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = LLMEngine.from_options(model, **engine_options)
+    if made := make_dense_copies(engine.model):  # before listening: else the first long prompt waits for them
+        logger.info("dense copies of packed weights made: %.1f MB", made / 1e6)
     name = o.served_model_name or _default_name(model)
     api_key = o.api_key or env_api_key()
     app = create_app(engine, name, api_key, o.max_body_bytes, o.tool_call_parser, engine_thread=False)

@@ -9,7 +9,7 @@ from kvserve import kernels
 from kvserve.models.packed import PackedLinearQ8
 from kvserve.models.products import (DEFAULT_POLICY, DENSE_COPY_EXPANSION, EXACT_POLICY, INT8_POLICY, DenseAbove,
                                      ProductPolicy, dense_copy_budget, int8_kernel, keep_dense_copies,
-                                     missing_int8_kernels, packed_formats, policy_for)
+                                     make_dense_copies, missing_int8_kernels, packed_formats, policy_for)
 from kvserve.modules import FastPath
 from kvserve.models import linear as linear_module
 from tests.conftest import make_engine
@@ -129,6 +129,24 @@ def test_the_bound_and_eager_forms_agree(smollm2):
         unbind(linear)
         eager = [linear(x) for x in xs]
     assert all(torch.equal(a, b) for a, b in zip(fast, eager))
+
+
+def test_a_dense_copy_is_made_by_the_first_call_above_the_threshold(smollm2):
+    """No copy at load; calls of up to 64 rows make none; the first larger call makes it, equal to
+    one made ahead by make_dense_copies (the server's start)."""
+    if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
+        pytest.skip("no int8 kernel or no oneDNN bf16 here")
+    lazy, ahead = make_engine(smollm2, max_model_len=256), make_engine(smollm2, max_model_len=256)
+    copies = [m for m in lazy.model.modules() if isinstance(m, DenseAbove)]
+    assert copies and all(m.dense_weight is None for m in copies)
+    assert make_dense_copies(ahead.model) == sum(m.dense_bytes for m in copies) > 0
+    linear, made = lazy.model.model.layers[0].mlp.down_proj, ahead.model.model.layers[0].mlp.down_proj
+    with torch.no_grad():
+        linear(torch.randn(64, linear.in_features))
+        assert linear.dense_weight is None
+        x = torch.randn(65, linear.in_features)
+        assert torch.equal(linear(x), made(x)) and linear.dense_weight is not None
+    assert all(m.dense_weight is None for m in copies if m is not linear)
 
 
 @pytest.mark.parametrize("options, path", [(dict(exact=True), "float"), (dict(packed_activations="int8"), "int8")])
