@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import os
 import re
 import signal
@@ -53,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import LLAMA_BENCH, kvserve  # noqa: E402
 
 from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
-from kvserve.eval.perplexity import _score_window, _Scorer  # noqa: E402
+from kvserve.eval.perplexity import llama_cpp_perplexity  # noqa: E402
 from kvserve.models.registry import load_weights  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -109,14 +108,11 @@ def kvserve_cli_perplexity(model: str, text: str, threads: int, num_tokens: int,
 
 
 def kvserve_llama_scoring(engine: LLMEngine, tokens: list[int], chunks: int) -> dict[str, Any]:
-    """llama-perplexity's windows and targets through kvserve's engine: chunk i is BOS and tokens
-    [i * 512 + 1, (i + 1) * 512); rows 256..510 predict its tokens 257..511."""
-    bos = engine.tokenizer.bos_token_id
-    scorer = _Scorer()
-    for i in range(chunks):
-        window = [bos] + tokens[i * CONTEXT + 1:(i + 1) * CONTEXT]
-        _score_window(engine, None, window, FIRST_SCORED, CONTEXT, scorer)
-    return {"perplexity": math.exp(scorer.nll / scorer.n), "num_tokens": scorer.n, "chunks": chunks}
+    """llama-perplexity's windows and targets through kvserve's engine (`kvserve eval perplexity
+    --windows llama.cpp`): chunk i is BOS and tokens [i * 512 + 1, (i + 1) * 512); rows 256..510
+    predict its tokens 257..511."""
+    r = llama_cpp_perplexity(engine, tokens, CONTEXT, chunks)
+    return {"perplexity": r.perplexity, "num_tokens": r.num_tokens, "chunks": len(r.windows)}
 
 
 def run_llama_cpp(cmd: list[str], no_repack: str) -> tuple[subprocess.CompletedProcess, bool]:

@@ -376,7 +376,7 @@ def _human(n: float) -> str:
 
 # ---- eval ----
 def cmd_eval(a: argparse.Namespace) -> int:
-    from kvserve.eval.perplexity import perplexity
+    check_windows(a)
     try:
         with open(a.text, encoding="utf-8") as f:
             text = f.read()
@@ -407,11 +407,11 @@ def cmd_eval(a: argparse.Namespace) -> int:
     reference = None
     if a.reference_kv_dtype or a.reference_exact:
         reference = LLMEngine.from_options(a.model, loaded=loaded, **reference_options(opts, a))
-    r = perplexity(engine, tokens, a.context, a.stride or a.context, reference, progress=not a.json)
+    r = score_text(engine, tokens, a, reference)
     if a.json:
         print(json.dumps(r.as_dict()))
         return 0
-    print(f"{r.num_tokens:,} tokens scored (context {r.context}, stride {r.stride}), kv cache {r.kv_cache_dtype}: "
+    print(f"{r.num_tokens:,} tokens scored ({_windows_text(r)}), kv cache {r.kv_cache_dtype}: "
           f"perplexity {r.perplexity:.4f}")
     if reference is not None:
         assert r.delta_perplexity is not None and r.mean_kl is not None and r.top1_agreement is not None
@@ -420,6 +420,40 @@ def cmd_eval(a: argparse.Namespace) -> int:
               f"delta {100 * r.delta_perplexity:+.3f}%, mean KL {r.mean_kl:.6f}, top-1 agreement "
               f"{100 * r.top1_agreement:.2f}%")
     return 0
+
+
+def check_windows(a: argparse.Namespace) -> None:
+    """The options of --windows that go together, checked before the model loads."""
+    from kvserve.eval import LLAMA_CPP
+    if a.windows != LLAMA_CPP:
+        if a.chunks is not None:
+            raise UserError(f"--chunks counts the chunks of --windows {LLAMA_CPP}; give it too "
+                            "(or --max-text-tokens to score less of the text)")
+        return
+    if a.stride is not None:
+        raise UserError(f"--stride moves strided windows; --windows {LLAMA_CPP} cuts chunks of --context "
+                        "tokens with no overlap")
+    if a.stream:
+        raise UserError(f"--stream scores the text as one sequence, not in --windows {LLAMA_CPP}")
+    from kvserve.eval.perplexity import check_llama_cpp_options
+    check_llama_cpp_options(a.context, a.chunks)
+
+
+def score_text(engine: Any, tokens: list[int], a: argparse.Namespace, reference: Any) -> Any:
+    """The PerplexityResult of `tokens` in the windows --windows names."""
+    from kvserve.eval import LLAMA_CPP
+    from kvserve.eval.perplexity import llama_cpp_perplexity, perplexity
+    if a.windows == LLAMA_CPP:
+        return llama_cpp_perplexity(engine, tokens, a.context, a.chunks, reference, progress=not a.json)
+    return perplexity(engine, tokens, a.context, a.stride or a.context, reference, progress=not a.json)
+
+
+def _windows_text(r: Any) -> str:
+    from kvserve.eval import LLAMA_CPP
+    if r.windowing == LLAMA_CPP:
+        return (f"{LLAMA_CPP} windows: {len(r.windows)} chunk(s) of {r.context}, each scoring its last "
+                f"{r.context // 2 - 1}")
+    return f"context {r.context}, stride {r.stride}"
 
 
 def reference_options(opts: dict[str, Any], a: argparse.Namespace) -> dict[str, Any]:
@@ -531,6 +565,14 @@ def build_parser() -> argparse.ArgumentParser:
     ep.add_argument("--reference-exact", action="store_true",
                     help="also run the exact path (--exact): what the defaults cost, as KL, top-1 and delta")
     ep.add_argument("--max-text-tokens", type=int, default=None, help="score only the first N tokens")
+    from kvserve.eval import STRIDED, WINDOWINGS
+    ep.add_argument("--windows", choices=WINDOWINGS, default=STRIDED,
+                    help="strided: a window of --context tokens every --stride, each token scored once; "
+                         "llama.cpp: as llama-perplexity -c CONTEXT, whole chunks of --context tokens with no "
+                         "overlap, BOS first, each scoring its second half")
+    ep.add_argument("--chunks", type=int, default=None, metavar="N",
+                    help="with --windows llama.cpp: score only the first N chunks (llama-perplexity's --chunks; "
+                         "default: every whole chunk)")
     ep.add_argument("--stream", action="store_true",
                     help="score the text as one sequence (with --sliding-window and --attention-sinks: "
                          "StreamingLLM), perplexity per --segment tokens")

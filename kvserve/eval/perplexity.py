@@ -10,6 +10,14 @@ first window that holds it with at least one token before it:
     window i = tokens [i * stride, i * stride + context)
     scored   = its tokens after the previous window's end (after its own first token)
 
+`llama_cpp_perplexity` reproduces llama.cpp's `llama-perplexity` instead: the tokens are cut into
+consecutive chunks of `context` tokens (no overlap, a tail shorter than a chunk unscored), each
+chunk's first token is replaced by BOS where the tokenizer adds one, and each chunk scores only
+its second half, from everything before it in the chunk:
+
+    chunk i = tokens [i * context, (i + 1) * context), BOS in place 0
+    scored  = its tokens context / 2 + 1 .. context - 1 (rows context / 2 .. context - 2)
+
 With a reference format a second engine over the same weights runs the same windows in the same
 steps; each scored row compares the two distributions: KL(reference || test) and whether their
 most likely tokens agree.
@@ -30,13 +38,19 @@ from typing import Any, Optional
 
 import torch
 
+from kvserve.config import OptionError, check_at_least
 from kvserve.core.sampling_params import SamplingParams
+from kvserve.eval import LLAMA_CPP, STRIDED
 
 
 @dataclass
 class Windows:
     starts: list[int]  # first token of each window
     scored: list[tuple[int, int]]  # per window: [first, end) tokens it scores
+    context: int  # tokens per window (the last may be shorter)
+    stride: int  # tokens between window starts
+    windowing: str = STRIDED  # one of kvserve.eval.WINDOWINGS
+    first_token: Optional[int] = None  # put in each window's first place (llama.cpp's BOS)
 
     @classmethod
     def cut(cls, num_tokens: int, context: int, stride: int) -> "Windows":
@@ -53,7 +67,42 @@ class Windows:
             prev_end = end
             if end == num_tokens:
                 break
-        return cls(starts, scored)
+        return cls(starts, scored, context, stride)
+
+    @classmethod
+    def chunks(cls, num_tokens: int, context: int, num_chunks: Optional[int] = None,
+               bos_token_id: Optional[int] = None) -> "Windows":
+        """llama-perplexity's windows: the first `num_chunks` (default: all) whole chunks of
+        `context` tokens, each scoring its tokens after its middle one.
+
+            Windows.chunks(10, 4).scored == [(3, 4), (7, 8)]   # tokens 8, 9: no whole chunk
+        """
+        check_llama_cpp_options(context, num_chunks)
+        num_whole = num_tokens // context
+        if num_whole == 0:
+            raise OptionError("context", f"{context} is longer than the text ({num_tokens} tokens): "
+                                         "llama.cpp windows score whole chunks of --context tokens")
+        if num_chunks is not None and num_chunks > num_whole:
+            raise OptionError("chunks", f"{num_chunks} is more than the text holds: {num_tokens} tokens "
+                                        f"make {num_whole} chunk(s) of {context}")
+        starts = [i * context for i in range(num_chunks or num_whole)]
+        scored = [(start + context // 2 + 1, start + context) for start in starts]
+        return cls(starts, scored, context, context, LLAMA_CPP, bos_token_id)
+
+    def window(self, tokens: list[int], i: int) -> list[int]:
+        """The tokens window i runs."""
+        window = tokens[self.starts[i]:self.starts[i] + self.context]
+        return window if self.first_token is None else [self.first_token] + window[1:]
+
+
+def check_llama_cpp_options(context: int, num_chunks: Optional[int]) -> None:
+    """OptionError unless `context` splits into a context half and a scored half of at least
+    one token (even, >= 4) and `num_chunks` is None or >= 1: what needs no text to check."""
+    if isinstance(context, bool) or not isinstance(context, int) or context < 4 or context % 2:
+        raise OptionError("context", "must be an even number >= 4 with llama.cpp windows (each chunk's first "
+                                     f"half is context, its second half scored), got {context!r}")
+    if num_chunks is not None:
+        check_at_least("chunks", num_chunks, 1)
 
 
 @dataclass
@@ -64,6 +113,7 @@ class PerplexityResult:
     kv_cache_dtype: str
     context: int
     stride: int
+    windowing: str  # one of kvserve.eval.WINDOWINGS
     reference_kv_dtype: Optional[str] = None
     reference_perplexity: Optional[float] = None
     mean_kl: Optional[float] = None
@@ -103,16 +153,33 @@ class _Scorer:
 def perplexity(engine: Any, tokens: list[int], context: int, stride: int, reference: Any = None,
                progress: bool = False) -> PerplexityResult:
     """Score `tokens` through `engine` (and `reference`, an engine over the same model with
-    another cache format). Both must schedule the same way (the same token budget and chunk)."""
-    if context > engine.max_model_len:
-        raise ValueError(f"--context {context} is longer than the model's context ({engine.max_model_len})")
-    windows = Windows.cut(len(tokens), context, stride)
+    another cache format) in windows of `context` tokens every `stride`, each token once. Both
+    engines must schedule the same way (the same token budget and chunk)."""
+    _check_fits(engine, context)
+    return _score_windows(engine, tokens, Windows.cut(len(tokens), context, stride), reference, progress)
+
+
+def llama_cpp_perplexity(engine: Any, tokens: list[int], context: int, num_chunks: Optional[int] = None,
+                         reference: Any = None, progress: bool = False) -> PerplexityResult:
+    """llama-perplexity's figure on `tokens` (its `-c context --chunks num_chunks`): whole chunks
+    of `context` tokens, BOS first where the engine's tokenizer adds one, each scoring its second
+    half. OptionError (naming context or chunks) for a context that is odd or under 4 tokens, or
+    more chunks than the tokens hold."""
+    _check_fits(engine, context)
+    tokenizer = engine.tokenizer
+    bos = tokenizer.bos_token_id if tokenizer is not None and tokenizer.add_bos else None
+    windows = Windows.chunks(len(tokens), context, num_chunks, bos)
+    return _score_windows(engine, tokens, windows, reference, progress)
+
+
+def _score_windows(engine: Any, tokens: list[int], windows: Windows, reference: Any = None,
+                   progress: bool = False) -> PerplexityResult:
+    """Run each of `windows` over `tokens` as one request; exp of the mean NLL over every scored token."""
     total, per_window = _Scorer(), []
     bar = _bar(len(windows.starts)) if progress else None
-    for start, (first, end) in zip(windows.starts, windows.scored):
-        window = tokens[start:min(start + context, len(tokens))]
+    for i, (start, (first, end)) in enumerate(zip(windows.starts, windows.scored)):
         w = _Scorer()
-        _score_window(engine, reference, window, first - start, end - start, w)
+        _score_window(engine, reference, windows.window(tokens, i), first - start, end - start, w)
         for key in ("n", "nll", "ref_nll", "kl", "agree"):
             setattr(total, key, getattr(total, key) + getattr(w, key))
         per_window.append({"start": start, "tokens": w.n, "perplexity": math.exp(w.nll / w.n)})
@@ -120,14 +187,19 @@ def perplexity(engine: Any, tokens: list[int], context: int, stride: int, refere
             bar.update(1)
     if bar is not None:
         bar.close()
-    result = PerplexityResult(total.n, math.exp(total.nll / total.n), total.nll / total.n,
-                              engine.plan.kv_format.name, context, stride, windows=per_window)
+    result = PerplexityResult(total.n, math.exp(total.nll / total.n), total.nll / total.n, engine.plan.kv_format.name,
+                              windows.context, windows.stride, windows.windowing, windows=per_window)
     if reference is not None:
         result.reference_kv_dtype = reference.plan.kv_format.name
         result.reference_perplexity = math.exp(total.ref_nll / total.n)
         result.mean_kl = total.kl / total.n
         result.top1_agreement = total.agree / total.n
     return result
+
+
+def _check_fits(engine: Any, context: int) -> None:
+    if context > engine.max_model_len:
+        raise ValueError(f"--context {context} is longer than the model's context ({engine.max_model_len})")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Prompt logprobs and perplexity through the real cache: equal to a no-cache full pass (1e-5)
 and to Hugging Face transformers on the same tokens (1e-3), whatever the chunking, prefix
-caching or preemption; KL and top-1 against a reference format; the command's output."""
+caching or preemption; llama-perplexity's windows equal to a full pass per chunk (1e-5); KL and
+top-1 against a reference format; the command's output and refusals."""
 
 import json
 import math
@@ -10,10 +11,12 @@ import sys
 import pytest
 import torch
 
+from kvserve.cli import main
+from kvserve.config import OptionError
 from kvserve.core.sampling_params import SamplingParams
-from kvserve.eval.perplexity import Windows, perplexity
+from kvserve.eval.perplexity import Windows, llama_cpp_perplexity, perplexity
 from tests import processes
-from tests.conftest import compiled_kernel, make_engine
+from tests.conftest import STORIES_DIR, compiled_kernel, make_engine
 
 
 def shakespeare(play="tragedies/hamlet.md", chars=6000):
@@ -136,6 +139,7 @@ def test_the_command_prints_json_and_refuses_bad_input(stories_path, tmp_path):
     assert p.returncode == 0, p.stderr
     r = json.loads(p.stdout)
     assert r["kv_cache_dtype"] == "int4" and r["reference_kv_dtype"] == "float32" and r["num_tokens"] > 100
+    assert r["windowing"] == "strided" and r["stride"] == 64
     assert r["perplexity"] > 1 and 0 < r["mean_kl"] and 0 < r["top1_agreement"] <= 1
     bad = tmp_path / "b.txt"
     bad.write_bytes(b"\xff\xfe\xfa not utf-8")
@@ -155,3 +159,80 @@ def test_int8_activations_cost_little_perplexity(smollm2, hamlet_ids):
     q8 = perplexity(make_engine(smollm2, packed_activations="int8", **opts), hamlet_ids, 256, 256,
                     make_engine(smollm2, weight_dtype="float32", **opts))
     assert abs(q8.delta_perplexity) < 0.01 and 0 < q8.mean_kl < 0.01 and q8.top1_agreement > 0.9
+
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the park. "
+         "One day, she saw a big red ball under a tree. Tom and his dog ran to the park to see the ball. ") * 6
+CLI_OPTIONS = dict(max_model_len=64, max_num_batched_tokens=16, max_prefill_chunk=16, max_num_seqs=1)  # --chunk 16
+
+
+def test_llama_cpp_windows_are_whole_chunks_scoring_their_second_half():
+    w = Windows.chunks(10, 4, bos_token_id=99)  # tokens 8, 9 make no whole chunk
+    assert w.starts == [0, 4] and w.scored == [(3, 4), (7, 8)] and w.stride == 4 and w.windowing == "llama.cpp"
+    assert w.window(list(range(10)), 1) == [99, 5, 6, 7]
+    assert Windows.chunks(10, 4).window(list(range(10)), 1) == [4, 5, 6, 7]  # no BOS: the chunk as it is
+    assert Windows.chunks(1000, 512, 1).scored == [(257, 512)]  # llama-perplexity -c 512: 255 a chunk
+
+
+def test_llama_cpp_perplexity_equals_a_full_pass_per_chunk(stories):
+    """Each chunk run from scratch without a cache, BOS first; exp of the mean NLL of every
+    chunk's tokens 33..63 (rows 32..62 predict them)."""
+    tokens = stories.tokenizer.encode(STORY)
+    r = llama_cpp_perplexity(make_engine(stories, **CLI_OPTIONS), tokens, context=64, num_chunks=3)
+    bos, nll, n = stories.tokenizer.bos_token_id, 0.0, 0
+    for i in range(3):
+        chunk = [bos] + tokens[i * 64 + 1:(i + 1) * 64]
+        lp = full_pass_logprobs(stories, chunk)  # [64, vocab]: row j predicts chunk[j + 1]
+        nll -= sum(lp[j, chunk[j + 1]].item() for j in range(32, 63))
+        n += 31
+    assert r.num_tokens == n == 93 and [w["start"] for w in r.windows] == [0, 64, 128]
+    assert r.windowing == "llama.cpp" and r.context == r.stride == 64
+    assert abs(r.perplexity / math.exp(nll / n) - 1) < 1e-5
+
+
+@pytest.mark.parametrize("context, num_chunks, option, message", [
+    (63, None, "context", "even"), (2, None, "context", "even"), (512, None, "context", "longer than the text"),
+    (64, 0, "chunks", ">= 1"), (64, 7, "chunks", "6 chunk"),
+])
+def test_llama_cpp_perplexity_refuses_what_the_text_cannot_give(stories, context, num_chunks, option, message):
+    tokens = stories.tokenizer.encode(STORY)  # 429 tokens: 6 chunks of 64
+    engine = make_engine(stories, max_model_len=512)
+    with pytest.raises(OptionError, match=message) as e:
+        llama_cpp_perplexity(engine, tokens, context, num_chunks)
+    assert e.value.option == option
+
+
+def run_cli(capsys, text, *args):
+    code = main(["eval", "perplexity", "--model", str(STORIES_DIR), "--text", str(text), "--chunk", "16", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_command_scores_llama_cpp_windows_as_the_function(stories, tmp_path, capsys):
+    text = tmp_path / "story.txt"
+    text.write_text(STORY)
+    code, out, err = run_cli(capsys, text, "--context", "64", "--windows", "llama.cpp", "--chunks", "2", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    ours = llama_cpp_perplexity(make_engine(stories, **CLI_OPTIONS), stories.tokenizer.encode(STORY), 64, 2)
+    assert r["windowing"] == "llama.cpp" and r["num_tokens"] == ours.num_tokens == 62
+    assert abs(r["perplexity"] / ours.perplexity - 1) < 1e-6
+    code, out, err = run_cli(capsys, text, "--context", "64", "--windows", "llama.cpp", "--chunks", "2")
+    assert code == 0 and "62 tokens scored (llama.cpp windows: 2 chunk(s) of 64" in out
+    assert f"perplexity {ours.perplexity:.4f}" in out
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--windows", "llama.cpp", "--stride", "32"], "--stride"),
+    (["--chunks", "2"], "--chunks"),
+    (["--windows", "llama.cpp", "--stream"], "--stream"),
+    (["--windows", "llama.cpp", "--context", "63"], "--context"),
+    (["--windows", "llama.cpp", "--context", "2"], "--context"),
+    (["--windows", "llama.cpp", "--chunks", "0"], "--chunks"),
+    (["--windows", "llama.cpp", "--chunks", "7"], "--chunks 7 is more than the text holds"),
+])
+def test_the_command_refuses_bad_windows_naming_the_option(tmp_path, capsys, args, flag):
+    text = tmp_path / "story.txt"
+    text.write_text(STORY)
+    code, out, err = run_cli(capsys, text, *(["--context", "64"] if "--context" not in args else []), *args)
+    assert code == 2 and err.startswith(f"kvserve: error: {flag}") and "Traceback" not in err
