@@ -50,6 +50,7 @@ KERNEL_ISAS = {
     "paged_attention": ("portable", "avx2", "avx512"),
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
+    "linear_wide": ("portable", "avx2", "avx512"),
     "linear_q8": ("portable", "avx2", "avx512_vnni"),
     "layer_ops": ("portable", "avx2", "avx512"),
     "linear_kquant": ("portable", "avx2", "avx512", "avx512_vnni"),

@@ -20,6 +20,13 @@ rounded to its block's step (`linear_q8_reference`). Weights of the other types 
 `PackedLinearQ8Rows`: their GGUF rows as they are, the activations quantized per block of the
 weight's size (256 for K-quants, as llama.cpp's Q8_K; `linear_int8_reference`).
 
+Under an fp32 model, a checkpoint's fp16 and bf16 matrices (a GGUF's F16 and BF16) are kept as
+they are, as the one-weight "blocks" of WIDE_FORMATS (`keep_wide`): half the bytes of the fp32
+copy, read half as long by decode. Their kernel (kernels/csrc/linear_wide.cpp) widens each weight
+to fp32 in registers, which is exact, so PackedLinear gives what the fp32 copy gives up to the
+order of the sums; it stays faster than widening the weight and the fp32 GEMM up to 32 rows
+(WIDE_ROWS), and beyond them the weight is widened per call.
+
 `quantize` packs float weights (`--weight-dtype int8` -> Q8_0, `int4` -> Q4_1) the way llama.cpp's
 reference quantizers do.
 """
@@ -39,17 +46,19 @@ from kvserve.modules import DirectCall, FastPath, FastPathEnv
 
 BLOCK = 32  # weights a block of Q8_0 / Q4_0 / Q4_1 (and of Q5_0, Q5_1, IQ4_NL; K-quants have 256)
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
+WIDE_ROWS = 32  # the same for 16-bit weights (benchmarks/wide_weights.py: the kernel wins up to 32)
 
 
 @dataclass(frozen=True)
 class BlockFormat:
     """A GGUF block type: `block` weights in `block_bytes` bytes; `kernel` multiplies and
-    dequantizes it."""
+    dequantizes it, and takes products of up to `kernel_rows` rows (more: dequantize, GEMM)."""
     name: str
     ggml_type: int
     block_bytes: int
     block: int = BLOCK
     kernel: str = "linear_quant"
+    kernel_rows: int = FEW_ROWS
 
     def row_bytes(self, k: int) -> int:
         return k // self.block * self.block_bytes
@@ -63,6 +72,11 @@ FORMATS = {f.name: f for f in (
     BlockFormat("q4_k", 12, 144, 256, "linear_kquant"), BlockFormat("q5_k", 13, 176, 256, "linear_kquant"),
     BlockFormat("q6_k", 14, 210, 256, "linear_kquant"))}
 BY_GGML_TYPE = {f.ggml_type: f for f in FORMATS.values()}
+# 16-bit floats as they are: a block of one weight in 2 bytes. Not among FORMATS: a GGUF's F16 and
+# BF16 tensors load as float tensors, and only an fp32 model keeps them 16-bit (registry._weights).
+WIDE_FORMATS = {torch.float16: BlockFormat("f16", 1, 2, 1, "linear_wide", WIDE_ROWS),
+                torch.bfloat16: BlockFormat("bf16", 30, 2, 1, "linear_wide", WIDE_ROWS)}
+WIDE_DTYPES = {f.name: dtype for dtype, f in WIDE_FORMATS.items()}
 
 
 @dataclass
@@ -85,6 +99,12 @@ class PackedWeight:
         return dequantize(self.data, self.fmt, self.shape[1], kernels.load(self.fmt.kernel))
 
 
+def keep_wide(w: torch.Tensor) -> PackedWeight:
+    """An fp16 or bf16 [N, K] weight as a PackedWeight over its own bytes, uint8 [N, 2 K]."""
+    n, k = w.shape
+    return PackedWeight(WIDE_FORMATS[w.dtype], w.detach().contiguous().view(torch.uint8), (n, k))
+
+
 def dequantize(data: torch.Tensor, fmt: BlockFormat, k: int, kernel: Optional[Any],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Packed rows [N, row bytes] -> [N, k] in dtype (each weight computed in fp32, rounded once):
@@ -102,6 +122,8 @@ def _half(b: torch.Tensor) -> torch.Tensor:
 def dequantize_torch(data: torch.Tensor, fmt: BlockFormat, k: int) -> torch.Tensor:
     """Packed rows -> fp32 [N, k], as the gguf package computes each weight (bit for bit)."""
     n = data.shape[0]
+    if fmt.name in WIDE_DTYPES:  # widening is exact
+        return data.contiguous().view(WIDE_DTYPES[fmt.name]).float()
     if fmt.name in kquants.DECODERS:
         return kquants.dequantize(data.reshape(n, k // fmt.block, fmt.block_bytes), fmt.name).reshape(n, k)
     blocks = data.reshape(n, k // BLOCK, fmt.block_bytes)
@@ -166,11 +188,11 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         few = self._few_row_kernel(x)
-        if few and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+        if few and x.dim() == 2 and x.shape[0] <= self.fmt.kernel_rows and x.dtype == torch.float32:
             return self._few_rows(x)  # decode's case, straight to the kernel (each torch op costs ~1 us)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
-        if few and x2.shape[0] <= FEW_ROWS:
+        if few and x2.shape[0] <= self.fmt.kernel_rows:
             y = self._few_rows(x2.float()).to(x.dtype)
         else:
             y = F.linear(x2, self._dense_weight(x.dtype), self.bias)
@@ -183,10 +205,10 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
             return {}
         product, qweight, ggml_type, k, bias = self.kernel.linear_quant, self.qweight, self.fmt.ggml_type, \
             self.in_features, self.bias
-        eager = type(self).forward
+        eager, few_rows = type(self).forward, self.fmt.kernel_rows
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.dtype == torch.float32:
+            if x.dim() == 2 and x.shape[0] <= few_rows and x.dtype == torch.float32:
                 return product(x, qweight, ggml_type, k, bias)  # type: ignore[no-any-return]
             return eager(self, x)
         return {"forward": forward}
@@ -195,7 +217,7 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
         return x.device.type == "cpu" and self.kernel is not None
 
     def _few_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 [M <= FEW_ROWS, K] -> fp32 [M, N] through the compiled kernel."""
+        """fp32 [M <= kernel_rows, K] -> fp32 [M, N] through the compiled kernel."""
         return self.kernel.linear_quant(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
 
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:

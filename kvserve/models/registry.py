@@ -31,8 +31,8 @@ from kvserve.models.products import (QUANTIZE_TO, ProductPolicy, available_memor
 from kvserve.models.qwen3 import Qwen3ForCausalLM
 from kvserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from kvserve.models.smollm3 import SmolLM3ForCausalLM
-from kvserve.models.packed import (BLOCK, BY_GGML_TYPE, FORMATS, PackedEmbedding, PackedLinear, PackedWeight, fuse,
-                                   quantize, use_int8_activations)
+from kvserve.models.packed import (BLOCK, BY_GGML_TYPE, FORMATS, WIDE_FORMATS, PackedEmbedding, PackedLinear,
+                                   PackedWeight, fuse, keep_wide, quantize, use_int8_activations)
 
 logger = logging.getLogger("kvserve")
 DEFAULT_ALIASES = {"smollm2-135m-instruct", "smollm2", "default", "huggingfacetb/smollm2-135m-instruct"}
@@ -254,7 +254,7 @@ def build_model(loaded: LoadedModel, dtype: torch.dtype, device: str, max_len: i
     cls = MODEL_CLASSES.get(loaded.config.architecture, LlamaForCausalLM)
     with torch.device("meta"):
         model = cls(loaded.config)
-    sd, packed = _weights(loaded, dtype, weight_dtype, getattr(cls, "float_weights", ()))
+    sd, packed = _weights(loaded, dtype, weight_dtype, getattr(cls, "float_weights", ()), keep_16_bit=device == "cpu")
     tied = loaded.config.tie_word_embeddings
     if tied:
         sd.pop("lm_head.weight", None)
@@ -298,16 +298,20 @@ def _keep_dense_copies(model: nn.Module, policy: ProductPolicy, fraction: float)
                 "/".join(str(rows) for _, rows in policy.dense_above_rows), kept / 1e6, packed_bytes / 1e6)
 
 
-def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_weights: tuple[str, ...] = ()
-             ) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
+def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_weights: tuple[str, ...] = (),
+             keep_16_bit: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, PackedWeight]]:
     """The float tensors (in dtype) and the packed ones the model is built from. Weights whose
-    names end as the model's float_weights say are kept float (dequantized where packed)."""
+    names end as the model's float_weights say are kept float (dequantized where packed). Under
+    an fp32 model with weight_dtype auto, fp16 and bf16 matrices stay 16-bit (`keep_wide`; on CPU,
+    keep_16_bit, where the compiled kernel widens them): the products widen them exactly, so they
+    compute what the fp32 cast would, from half the bytes."""
     sd: dict[str, torch.Tensor] = {}
     packed: dict[str, PackedWeight] = {}
     target = FORMATS.get(QUANTIZE_TO.get(weight_dtype, ""))
+    keep_16_bit = keep_16_bit and dtype == torch.float32 and weight_dtype == "auto"
     for k, v in loaded.state_dict.items():
         keep_float = bool(float_weights) and k.endswith(float_weights)
-        matrix = not keep_float and (k.endswith("_proj.weight") or k in ("lm_head.weight", "model.embed_tokens.weight"))
+        matrix = not keep_float and _is_matrix(k)
         if isinstance(v, PackedWeight):
             if not keep_float and (weight_dtype == "auto" or (target is not None and v.fmt == target)):
                 packed[k] = v
@@ -315,6 +319,8 @@ def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_w
             v = v.dequantize()
         if target is not None and matrix and v.dim() == 2 and v.shape[1] % BLOCK == 0:
             packed[k] = quantize(v, target)
+        elif keep_16_bit and matrix and v.dim() == 2 and v.dtype in WIDE_FORMATS:
+            packed[k] = keep_wide(v)
         else:
             sd[k] = v.to(dtype=dtype)
     return sd, packed
