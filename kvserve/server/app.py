@@ -809,7 +809,8 @@ def serve(model: str, engine_options: dict[str, Any], o: ServeOptions) -> int:
 
 class _HttpThread(threading.Thread):
     """uvicorn's server on a thread of its own (its signal handlers are the caller's to set: the
-    server's handle_exit); exit_code 0, or 1 where it failed (a port in use: uvicorn exits)."""
+    server's handle_exit). exit_code: 0, or where it failed the status uvicorn exited with (3 for
+    a port in use) or 1."""
 
     def __init__(self, server: Any) -> None:
         super().__init__(name="kvserve-http", daemon=True)
