@@ -7,9 +7,7 @@ file): where the time goes, medians of --runs builds in this process.
     plain_copy       the first encode_plain: the copy that reads special text as text, which
                      shares the built model
     full_copy        what that copy cost when it serialized the tokenizer and parsed it again
-    load_sync        load_weights, then a first encode, the tokenizer built before the tensors load
-    load_background  the same with the tokenizer built on its own thread while the tensors load
-                     (what load_weights does)
+    load             load_weights, then a first encode
     *_cpu            the process's CPU seconds for the same (on a shared machine wall time
                      mostly measures the others)
 
@@ -53,18 +51,12 @@ def one_run(meta: dict, path: str) -> dict[str, float]:
     _, out["bpe_s"], out["bpe_cpu_s"] = timed(lambda: models.BPE(vocab=vocab, merges=merges, byte_fallback=True))
 
     def built() -> hf.HFTokenizer:
-        tok = hf.from_gguf_spm(tokens, types, 2, [1], True, None)
-        tok.tok  # waits for a background build
-        return tok
+        return hf.from_gguf_spm(tokens, types, 2, [1], True, None)
 
     tok, out["build_s"], out["build_cpu_s"] = timed(built)
     _, out["plain_copy_s"], _ = timed(lambda: tok.encode_plain("<start_of_turn>user"))
     _, out["full_copy_s"], _ = timed(lambda: type(tok.tok).from_str(tok.tok.to_str()))
-    threshold = hf.BACKGROUND_MIN_TOKENS
-    for mode, minimum in (("sync", len(tokens) + 1), ("background", threshold)):
-        hf.BACKGROUND_MIN_TOKENS = minimum
-        _, out[f"load_{mode}_s"], out[f"load_{mode}_cpu_s"] = timed(lambda: load_weights(path).tokenizer.encode("x"))
-    hf.BACKGROUND_MIN_TOKENS = threshold
+    _, out["load_s"], out["load_cpu_s"] = timed(lambda: load_weights(path).tokenizer.encode("x"))
     return out
 
 

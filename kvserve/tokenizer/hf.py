@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -44,18 +43,13 @@ UNKNOWN, CONTROL, USER_DEFINED = 2, 3, 4  # GGUF token types that are special to
 
 
 class HFTokenizer(Tokenizer):
-    """`tok`: a tokenizers.Tokenizer, or a Future of one still being built (background_build):
-    the first use that needs it waits for it."""
+    """`tok`: a tokenizers.Tokenizer."""
 
     def __init__(self, tok: Any, bos_token_id: Optional[int], eos_token_ids: Sequence[int],
                  add_bos: bool = False, chat_template: Optional[str] = None) -> None:
-        self._tok = tok
+        self.tok = tok
         self.bos_token_id, self.eos_token_ids = bos_token_id, tuple(eos_token_ids)
         self.add_bos, self.chat_template = add_bos, chat_template
-
-    @functools.cached_property
-    def tok(self) -> Any:
-        return self._tok.result() if isinstance(self._tok, Future) else self._tok
 
     @functools.cached_property
     def bos_token(self) -> str:  # type: ignore[override]
@@ -210,9 +204,8 @@ def from_gguf_spm(tokens: Sequence[str], token_types: Sequence[int], bos_token_i
     eos = list(eos_token_ids) + [i for i in last.values() if i < len(token_types) and token_types[i] == CONTROL
                                  and i not in eos_token_ids]
     merges = functools.partial(style.merges, scores=scores)
-    build = functools.partial(_build_spm, list(tokens), list(token_types), style, merges)
-    return HFTokenizer(background_build(build) if len(tokens) >= BACKGROUND_MIN_TOKENS else build(),
-                       bos_token_id, eos, add_bos, chat_template)
+    return HFTokenizer(_build_spm(list(tokens), list(token_types), style, merges), bos_token_id, eos, add_bos,
+                       chat_template)
 
 
 def _build_spm(tokens: list[str], token_types: list[int], style: SpmStyle, merges: Any) -> Any:
@@ -228,20 +221,6 @@ def _build_spm(tokens: list[str], token_types: list[int], style: SpmStyle, merge
     tok.add_tokens([AddedToken(t, special=False, normalized=False)  # the respelled space runs are plain vocabulary
                     for t, k in kinds if k == USER_DEFINED and t in vocab])
     return tok
-
-
-# A large vocabulary's tokenizer is built on a thread of its own (tokenizers' BPE over Gemma's 515,000
-# merges: about a second that no faster construction removes), while the weights load and the engine
-# is built; the first encode or decode waits for what is left of it.
-BACKGROUND_MIN_TOKENS = 100_000
-_builder: Optional[ThreadPoolExecutor] = None
-
-
-def background_build(build: Any) -> "Future[Any]":
-    global _builder
-    if _builder is None:
-        _builder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer-build")
-    return _builder.submit(build)
 
 
 def _spm_pipeline(tok: Any, style: SpmStyle) -> None:
