@@ -255,13 +255,12 @@ class ExpandedMLAttention(MLAttention):
 class DeepseekDecoderLayer(LlamaDecoderLayer):
     """The Llama layer's residual flow with latent attention and a dense or MoE MLP."""
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        nn.Module.__init__(self)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+    def attention_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         form = MLAttention if mla_of(config).caches_latent else ExpandedMLAttention
-        self.self_attn = form(config, layer_idx)  # type: ignore[assignment]
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = make_mlp(config, layer_idx)  # type: ignore[assignment]
+        return form(config, layer_idx)
+
+    def mlp_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return make_mlp(config, layer_idx)
 
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:

@@ -236,18 +236,23 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
 
 class LlamaDecoderLayer(DirectCall, nn.Module):
     """Pre-norm attention and MLP. A family with other attention (q/k norms, no RoPE on some
-    layers, partial rotary) is a subclass that names its class in `attention_for`."""
+    layers, partial rotary) is a subclass that names its class in `attention_for`; one with
+    another MLP (routed experts) names it in `mlp_for`."""
 
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = self.attention_for(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+        self.mlp = self.mlp_for(config, layer_idx)
 
     def attention_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
         """This layer's attention block."""
         return LlamaAttention(config, layer_idx)
+
+    def mlp_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        """This layer's MLP block."""
+        return LlamaMLP(config)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
                 residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -34,16 +34,15 @@ layers `moe.dense_layers` names (first_k_dense_replace, mlp_only_layers, decoder
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve.attention.layer import ForwardContext
 from kvserve.config import ModelConfig, MoEConfig
 from kvserve.models.linear import Linear
-from kvserve.models.llama import LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm, make_embedding
+from kvserve.models.llama import (LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP, RMSNorm,
+                                  make_embedding)
 from kvserve.modules import DirectCall
 
 
@@ -181,29 +180,17 @@ def moe_mlp(config: ModelConfig, layer_idx: int, block: type[nn.Module] = Sparse
     return block(config, layer_idx) if moe_of(config).is_sparse(layer_idx) else LlamaMLP(config)
 
 
-class MoeDecoderLayer(DirectCall, nn.Module):
-    """A Llama decoder layer (pre-norms, the residual adds made by the norms) whose attention is
-    `attention_class` and whose MLP is `moe_mlp`'s. The forward is Llama's."""
+class MoeDecoderLayer(LlamaDecoderLayer):
+    """A Llama decoder layer (pre-norms, the residual adds made by the norms, Llama's forward)
+    whose attention is `attention_class` and whose MLP is `moe_mlp`'s."""
 
     attention_class: type[nn.Module] = LlamaAttention
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = self.attention_class(config, layer_idx)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = moe_mlp(config, layer_idx)
+    def attention_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return self.attention_class(config, layer_idx)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: object, ctx: ForwardContext,
-                residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer.forward: x is the previous layer's output, not yet added."""
-        if residual is None:
-            residual, h = x, self.input_layernorm.forward(x)
-        else:
-            h, residual = self.input_layernorm.add_forward(x, residual)
-        h, residual = self.post_attention_layernorm.add_forward(self.self_attn.forward(h, positions, rope, ctx),
-                                                                residual)
-        return self.mlp.forward(h), residual
+    def mlp_for(self, config: ModelConfig, layer_idx: int) -> nn.Module:
+        return moe_mlp(config, layer_idx)
 
 
 class MoeModel(nn.Module):
