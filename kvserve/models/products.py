@@ -174,9 +174,9 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         packed, threshold, dense = self.packed, self.threshold, self._dense
         eager = type(self).forward
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
+        def forward(x: torch.Tensor) -> torch.Tensor:  # packed's forward looked up at each call, as its parents do
             if x.dim() == 2 and x.dtype == torch.float32:
-                return packed(x) if x.shape[0] <= threshold else dense(x).float()  # type: ignore[no-any-return]
+                return packed.forward(x) if x.shape[0] <= threshold else dense(x).float()  # type: ignore[no-any-return]
             return eager(self, x)
         return {"forward": forward}
 
