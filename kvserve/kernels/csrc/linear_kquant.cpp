@@ -34,6 +34,7 @@
 // setup.py builds this file once per level; `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "linear_operands.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -1338,18 +1339,8 @@ void check(const at::Tensor& w, int64_t fmt, int64_t K) {
   TORCH_CHECK(w.size(1) == K / L.values * L.bytes, "W's rows do not hold K weights of this format");
 }
 
-const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, at::Tensor& keep) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  keep = bias->to(at::kFloat).contiguous();
-  TORCH_CHECK(keep.numel() == N, "bias [N]");
-  return keep.data_ptr<float>();
-}
-
-at::Tensor checked_x(const at::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
-              "x: fp32 [M, K] on CPU");
-  return x.contiguous();
-}
+using kvserve::bias_ptr;  // linear_operands.h
+using kvserve::checked_x;
 
 at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
   check(w, fmt, K);

@@ -18,6 +18,7 @@
 // picks the best the CPU runs; `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "linear_operands.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -260,17 +261,10 @@ std::string isa() {
 
 at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
   check(w, fmt, K);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == K,
-              "x: fp32 [M, K] on CPU");
-  auto xc = x.contiguous();
+  auto xc = kvserve::checked_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
-  const float* b = nullptr;
   at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(bc.numel() == N, "bias [N]");
-    b = bc.data_ptr<float>();
-  }
+  const float* b = kvserve::bias_ptr(bias, N, bc);
   auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = xc.data_ptr<float>();
