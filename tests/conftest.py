@@ -93,6 +93,13 @@ def make_engine(loaded: Any, **options: Any):
     return LLMEngine.from_options("preloaded", loaded=loaded, **options)
 
 
+def scaled_rows(n: int, k: int, seed: int = 0) -> Any:
+    """A random fp32 weight [n, k] whose rows have different scales (the kernels' test matrices)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)
+
+
 @contextmanager
 def torch_threads(n: int) -> Iterator[None]:
     """torch (and the kernels' at::parallel_for) on n threads inside the block, as before after it."""

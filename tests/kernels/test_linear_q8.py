@@ -13,16 +13,14 @@ import pytest
 import torch
 
 from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, dequantize_torch, linear_q8_reference, quantize
-from tests.conftest import compiled_kernel, kernel_isas, torch_threads
+from tests.conftest import compiled_kernel, kernel_isas, scaled_rows, torch_threads
 
 ISAS = kernel_isas("linear_q8")
 FMTS = ["q4_0", "q4_1", "q8_0"]
 
 
 def packed(n, k, fmt, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
-    return quantize(w, FORMATS[fmt])
+    return quantize(scaled_rows(n, k, seed), FORMATS[fmt])
 
 
 def rounding_bound(x, w):

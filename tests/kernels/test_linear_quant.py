@@ -9,16 +9,14 @@ import pytest
 import torch
 
 from kvserve.models.packed import FORMATS, PackedWeight, dequantize_torch, quantize
-from tests.conftest import compiled_kernel, kernel_isas, torch_threads
+from tests.conftest import compiled_kernel, kernel_isas, scaled_rows, torch_threads
 
 ISAS = kernel_isas("linear_quant")
 FMTS = sorted(f for f in FORMATS if FORMATS[f].kernel == "linear_quant")  # the others: test_kquants.py
 
 
 def packed(n, k, fmt, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
-    return quantize(w, FORMATS[fmt])
+    return quantize(scaled_rows(n, k, seed), FORMATS[fmt])
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.models.packed import WIDE_FORMATS, dequantize_torch, keep_wide
-from tests.conftest import compiled_kernel, kernel_isas, torch_threads
+from tests.conftest import compiled_kernel, kernel_isas, scaled_rows, torch_threads
 
 ISAS = kernel_isas("linear_wide")
 DTYPES = [torch.float16, torch.bfloat16]
@@ -16,9 +16,7 @@ SHAPES = [(1, 1), (7, 5), (37, 33), (33, 100), (192, 576), (577, 1536)]
 
 
 def weight(n, k, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = torch.randn(n, k, generator=g) * torch.rand(n, 1, generator=g)  # rows of different scales
-    return w.to(dtype)
+    return scaled_rows(n, k, seed).to(dtype)
 
 
 @pytest.mark.parametrize("isa", ISAS)
