@@ -163,8 +163,7 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return self._dense(x2).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense_weight is None:
-            self.make_copy()
+        self.make_copy()  # the first call above the threshold makes it
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_dtype), self.dense_weight,  # type: ignore[no-any-return]
                                                   self.dense_bias, "none", [], "")
 

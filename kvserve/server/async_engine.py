@@ -82,7 +82,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.stats: EngineStats = engine.stats()
         self.num_steps_failed = 0
-        self._thread: Optional[threading.Thread] = None
         self._loop_done = threading.Event()  # the loop has returned (set until it first runs)
         self._loop_done.set()
 
@@ -90,8 +89,7 @@ class AsyncEngine:
         """Run the loop on a thread of its own (own_thread), else nothing: run_here() runs it."""
         if self.own_thread:
             self._loop_done.clear()
-            self._thread = threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True)
-            self._thread.start()
+            threading.Thread(target=self._run_loop, name="kvserve-engine", daemon=True).start()
 
     def run_here(self, until: Callable[[], bool] = lambda: False) -> None:
         """Run the loop on the calling thread until stop() or until() is true (checked between
