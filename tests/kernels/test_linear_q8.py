@@ -1,8 +1,9 @@
 """The int8-activation kernel (kernels/csrc/linear_q8.cpp) for Q4_0, Q4_1 and Q8_0 weights on
-every code path this CPU runs (portable always, AVX2 and AVX-512 VNNI where present): its panels
+every code path this CPU runs (portable always, AVX2, AVX-512 VNNI and AMX-INT8 where present): its panels
 of 16 rows hold GGUF's bytes and give them back, all or the rows an index names; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
 dx = max|x| / 127, times the dequantized weight) within fp32 summation error, for odd shapes,
-a last panel of fewer than 16 rows, tiles of four rows and their remainders, and 1 to 200 rows;
+a last panel of fewer than 16 rows, tiles of four rows and their remainders, 1 to 257 rows (AMX's
+tiles of 16 rows and the rows left around its threshold), on 1 and 2 threads;
 and they are within the derived bound of dequantize-then-multiply:
 
     |y - x @ W^T| <= sum over blocks b of (max|x_b| / 254) * sum_{i in b} |w_i|
@@ -17,6 +18,8 @@ from tests.conftest import compiled_kernel, kernel_isas, scaled_rows, torch_thre
 
 ISAS = kernel_isas("linear_q8")
 FMTS = ["q4_0", "q4_1", "q8_0"]
+needs_amx = pytest.mark.skipif("amx_int8" not in ISAS, reason="this CPU has no AMX-INT8 (amx_tile, amx_int8 "
+                               "flags), so kvserve runs no amx_int8 build here")
 
 
 def packed(n, k, fmt, seed=0):
@@ -29,6 +32,20 @@ def rounding_bound(x, w):
     step = x.abs().reshape(m, k // 32, 32).amax(-1).double() / 254  # [m, nb]
     per_block = w.abs().double().reshape(w.shape[0], k // 32, 32).sum(-1)  # [n, nb]
     return step @ per_block.T
+
+
+def assert_near_reference(y, x, p, w, bias):
+    """y is linear_q8_reference (+ bias) up to the order of the float sums, and within the
+    rounding bound of the exact product."""
+    m, k = x.shape
+    assert y.shape == (m, w.shape[0]) and y.dtype == torch.float32
+    ref = linear_q8_reference(x, p) + (bias.double() if bias is not None else 0)
+    # the integer sums are exact; the float ones in another order: k ulps of the magnitudes
+    bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -23 + 1e-30
+    bias_ulp = bias.double().abs() * 2 ** -23 if bias is not None else 0
+    assert ((y.double() - ref).abs() <= bound + bias_ulp).all()
+    exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
+    assert ((y.double() - exact).abs() <= rounding_bound(x, w) * 1.001 + bound).all()
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -64,14 +81,68 @@ def test_products_equal_the_reference(isa, fmt, n, k):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
         x[0, :32] = 0  # a block of zeros: dx = 0
         bias = torch.randn(n, generator=g) if m % 2 else None
-        y = kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias)
-        assert y.shape == (m, n) and y.dtype == torch.float32
-        ref = linear_q8_reference(x, p) + (bias.double() if bias is not None else 0)
-        # the integer sums are exact; the float ones in another order: k ulps of the magnitudes
-        bound = (x.double().abs() @ w.double().abs().T) * k * 2 ** -23 + 1e-30
-        assert ((y.double() - ref).abs() <= bound + (bias.double().abs() * 2 ** -23 if bias is not None else 0)).all()
-        exact = x.double() @ w.double().T + (bias.double() if bias is not None else 0)
-        assert ((y.double() - exact).abs() <= rounding_bound(x, w) * 1.001 + bound).all()
+        assert_near_reference(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias), x, p, w, bias)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n, k", [(49, 32), (49, 576), (577, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_around_the_amx_threshold(isa, fmt, n, k, threads):
+    """Row counts below, at and well above where AMX takes over (32 rows, 16 for Q8_0: whole tiles
+    of 16 rows on AMX, the rows left on VNNI), odd N (a last panel of one row), bias or not: every
+    path's products are the reference's."""
+    if isa == "portable" and n * k > 100_000:
+        pytest.skip("the scalar loop: the smaller shapes cover its tiles")
+    kernel = compiled_kernel("linear_q8", isa)
+    p = packed(n, k, fmt, seed=n + k)
+    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
+    w = dequantize_torch(p.data, p.fmt, k)
+    g = torch.Generator().manual_seed(threads)
+    for m in (1, 15, 16, 17, 31, 32, 33, 64, 100, 257):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
+        x[-1, -32:] = 0  # a block of zeros (dx = 0) in the rows left after the tiles
+        bias = torch.randn(n, generator=g) if m % 2 else None
+        with torch_threads(threads):
+            y = kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias)
+        assert_near_reference(y, x, p, w, bias)
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS)
+def test_amx_gives_the_vnni_products(fmt):
+    """The AMX path scales each block's integer sums with the VNNI tile's float operations, in
+    its order: the same products bit for bit, on 1 and 2 threads, for the tiles of 16 rows and
+    the rows left after them."""
+    amx, vnni = compiled_kernel("linear_q8", "amx_int8"), compiled_kernel("linear_q8", "avx512_vnni")
+    assert amx.isa() == "amx_int8"
+    g = torch.Generator().manual_seed(7)
+    for n, k in [(577, 1536), (49, 96), (1000, 576)]:
+        p = packed(n, k, fmt, seed=n)
+        panels = amx.pack_panels(p.data, p.fmt.ggml_type, k)
+        for m in (16, 31, 32, 33, 64, 257):
+            x = torch.randn(m, k, generator=g)
+            bias = torch.randn(n, generator=g) if m % 2 else None
+            for threads in (1, 2):
+                with torch_threads(threads):
+                    y_amx = amx.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias)
+                    y_vnni = vnni.linear_q8(x, panels, p.fmt.ggml_type, k, n, bias)
+                assert torch.equal(y_amx, y_vnni), (n, k, m, threads)
+
+
+def test_amx_level_only_where_the_cpu_has_it(monkeypatch):
+    """A CPU with AVX-512 VNNI but no AMX keeps the avx512_vnni build; one with AMX-INT8 takes the
+    amx_int8 build (whatever this machine has)."""
+    from kvserve import kernels
+    monkeypatch.setenv("KVSERVE_KERNELS", "auto")
+    vnni_flags = kernels.ISAS["avx512_vnni"].cpu_flags
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags)
+    assert kernels.best_isa("linear_q8") == "avx512_vnni"
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"amx_tile"})
+    assert kernels.best_isa("linear_q8") == "avx512_vnni"  # tiles without their int8 products
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"amx_tile", "amx_int8"})
+    assert kernels.supported_isas("linear_q8")[-2:] == ["avx512_vnni", "amx_int8"]
+    assert kernels.best_isa("linear_q8") == "amx_int8"
 
 
 @pytest.mark.parametrize("isa", ISAS)
