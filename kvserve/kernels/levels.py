@@ -10,7 +10,8 @@ build, and `kvserve.kernels` reads it at run time to know what to load, so the t
     avx512        avx512f/bw/vl/dq, fma, f16c                       __AVX512F__ paths
     avx512_bf16   avx512 + avx512_bf16                             __AVX512BF16__ paths too
     avx512_vnni   avx512 + avx512_vnni                             __AVX512VNNI__ paths too
-    amx_int8      avx512_vnni + amx_tile, amx_int8                 __AMX_INT8__ paths too
+    amx           avx512_vnni + avx512_bf16, amx_tile, amx_int8,  __AMX_INT8__, __AMX_BF16__ paths too
+                  amx_bf16
 
 A kernel may add flags of its own to every level's (KERNEL_CFLAGS).
 """
@@ -45,8 +46,8 @@ ISAS = {
     "avx512": Isa("avx512", _AVX512_CPU, _AVX512_CFLAGS),
     "avx512_bf16": Isa("avx512_bf16", _AVX512_CPU | {"avx512_bf16"}, _AVX512_CFLAGS + ("-mavx512bf16",)),
     "avx512_vnni": Isa("avx512_vnni", _AVX512_CPU | {"avx512_vnni"}, _AVX512_CFLAGS + ("-mavx512vnni",)),
-    "amx_int8": Isa("amx_int8", _AVX512_CPU | {"avx512_vnni", "amx_tile", "amx_int8"},
-                    _AVX512_CFLAGS + ("-mavx512vnni", "-mamx-tile", "-mamx-int8")),
+    "amx": Isa("amx", _AVX512_CPU | {"avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"},
+               _AVX512_CFLAGS + ("-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-int8", "-mamx-bf16")),
 }
 # The levels each kernel has code for, lowest first.
 KERNEL_ISAS = {
@@ -54,7 +55,7 @@ KERNEL_ISAS = {
     "linear_bf16": ("portable", "avx512_bf16"),
     "linear_quant": ("portable", "avx2", "avx512"),
     "linear_wide": ("portable", "avx2", "avx512"),
-    "linear_q8": ("portable", "avx2", "avx512_vnni", "amx_int8"),
+    "linear_q8": ("portable", "avx2", "avx512_vnni", "amx"),
     "layer_ops": ("portable", "avx2", "avx512"),
     "linear_kquant": ("portable", "avx2", "avx512", "avx512_vnni"),
     "mla_attention": ("portable", "avx2", "avx512"),

@@ -9,7 +9,9 @@ A packed linear can multiply its rows of activations three ways:
     float  PackedLinear: fp32 activations; up to 8 rows the packed kernel, beyond it the weight
            dequantized to fp32 on every call and the dense GEMM (exact: --exact)
     dense  a dequantized bf16 or fp32 copy kept beside the packed weight and multiplied by
-           oneDNN (AMX on CPUs that have it): 3.2x (bf16) to 6.4x (fp32) the bytes of Q4_1
+           oneDNN (AMX on CPUs that have it): 3.2x (bf16) to 6.4x (fp32) the bytes of Q4_1;
+           with linear_q8's AMX build, the same bf16 product made in AMX tiles from the packed
+           weight at each call (no copy)
 
 `ProductPolicy` says, by the number of rows of a call, which one runs: the defaults
 (`--packed-activations auto`) take int8 up to 64 rows and, on CPUs that multiply bf16 natively,
@@ -66,28 +68,37 @@ class ProductPolicy:
     up to 4 rows, and from 16 rows the bf16 copy takes a half to a tenth of int8's time. So
     DEFAULT_POLICY: int8 up to 64 rows (Q4_0 / Q4_1 / Q8_0) or 8 rows (the others), the bf16 copy
     above where the CPU multiplies bf16 natively and memory allows; on other CPUs (no bf16 GEMM
-    worth a copy) int8 for every row count.
+    worth a copy) int8 for every row count. Made in AMX tiles from Q4_0 / Q4_1 / Q8_0 weights
+    (tiles_above_rows), the dense path runs above 24 rows: one step's 120 products of SmolLM2 at
+    16 / 32 / 64 rows took 7.7 / 9.2 / 15.3 ms in tiles against 7.7 / 10.4 / 20.0 int8 (2 threads,
+    the int8 tiles on AMX-INT8 from 32 rows; docs/defaults.md).
     """
 
     activations: str = "int8"
     dense_above_rows: tuple[tuple[str, int], ...] = ()  # (int8 kernel, rows), e.g. (("linear_q8", 64),)
     dense_dtype: str = "bfloat16"
     dense_needs: frozenset[str] = BF16_CPU_FLAGS
+    # where the dense product is made in AMX tiles from the packed weight (no copy): its own rows
+    tiles_above_rows: tuple[tuple[str, int], ...] = ()
 
     def __post_init__(self) -> None:
         if self.activations not in ("int8", "float"):
             raise ValueError(f"policy activations must be int8 or float, got {self.activations!r}")
-        for kernel, rows in self.dense_above_rows:
-            if rows < 0:
-                raise ValueError(f"dense_above_rows of {kernel} must be >= 0, got {rows}")
+        for field in ("dense_above_rows", "tiles_above_rows"):
+            for kernel, rows in getattr(self, field):
+                if rows < 0:
+                    raise ValueError(f"{field} of {kernel} must be >= 0, got {rows}")
 
-    def threshold(self, kernel: str) -> Optional[int]:
-        """The rows above which a weight of this int8 kernel takes its dense copy (None: never)."""
-        return dict(self.dense_above_rows).get(kernel)
+    def threshold(self, kernel: str, tiles: bool = False) -> Optional[int]:
+        """The rows above which a weight of this int8 kernel takes the dense path (None: never):
+        its copy, or with `tiles` the AMX tiles made from the packed weight where the policy
+        names a row count for them (else the copy's)."""
+        above = dict(self.dense_above_rows).get(kernel)
+        return dict(self.tiles_above_rows).get(kernel, above) if tiles and above is not None else above
 
-    def path(self, rows: int, kernel: str = "linear_q8") -> str:
+    def path(self, rows: int, kernel: str = "linear_q8", tiles: bool = False) -> str:
         """The path a call of `rows` rows takes for a weight of this int8 kernel: one of PATHS."""
-        above = self.threshold(kernel)
+        above = self.threshold(kernel, tiles)
         if above is not None and rows > above:
             return "dense"
         return self.activations
@@ -98,7 +109,8 @@ class ProductPolicy:
         return bool(self.dense_above_rows) and bool(cpu_flags & self.dense_needs)
 
 
-DEFAULT_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_q8", 64), ("linear_kquant", 8)))  # auto, CPU
+DEFAULT_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_q8", 64), ("linear_kquant", 8)),  # auto, CPU
+                               tiles_above_rows=(("linear_q8", 24),))
 INT8_POLICY = ProductPolicy("int8")  # --packed-activations int8: int8 for every row count
 EXACT_POLICY = ProductPolicy("float")  # --exact, --packed-activations float
 DENSE_COPY_EXPANSION = 4  # a copy holds at most 4x the packed bytes (bf16 of a 4-bit format: 3.2x)
@@ -143,14 +155,16 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         self.dense_dtype = getattr(torch, policy.dense_dtype)
         self.dense_weight: Optional[torch.Tensor] = None  # made by make_copy()
         self.dense_bias: Optional[torch.Tensor] = None
-        self.dense_bytes = self.out_features * self.in_features * DTYPE_BYTES[policy.dense_dtype]
+        self.tiles = bf16_tiles(packed, policy.dense_dtype)  # the copy's product without the copy
+        self.dense_bytes = copy_bytes(packed, policy)
         self.kernel_name = int8_kernel(packed.fmt.name)
-        above = policy.threshold(self.kernel_name)
+        above = policy.threshold(self.kernel_name, tiles=self.tiles is not None)
         self.threshold = above if above is not None else 1 << 62
 
     def make_copy(self) -> None:
-        """The dense copy, once: each weight rounded once from fp32, reordered for oneDNN."""
-        if self.dense_weight is None:
+        """The dense copy, once: each weight rounded once from fp32, reordered for oneDNN (none
+        where the AMX tiles make it from the packed weight at each call)."""
+        if self.dense_weight is None and self.tiles is None:
             w = self.packed._dense_weight(self.dense_dtype)  # [N, K]
             self.dense_weight = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             bias = self.packed.bias
@@ -158,11 +172,15 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        if self.policy.path(x2.shape[0], self.kernel_name) != "dense":
+        if self.policy.path(x2.shape[0], self.kernel_name, self.tiles is not None) != "dense":
             return self.packed(x)  # type: ignore[no-any-return]
         return self._dense(x2).to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tiles is not None:
+            p = self.packed
+            return self.tiles(x.float().contiguous(), p.qweight, p.fmt.ggml_type,  # type: ignore[no-any-return]
+                              self.in_features, self.out_features, p.bias)
         self.make_copy()  # the first call above the threshold makes it
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_dtype), self.dense_weight,  # type: ignore[no-any-return]
                                                   self.dense_bias, "none", [], "")
@@ -180,6 +198,8 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return {"forward": forward}
 
     def extra_repr(self) -> str:
+        if self.tiles is not None:
+            return f"dense above {self.threshold} rows: bf16 tiles dequantized at each call (no copy)"
         made = "made" if self.dense_weight is not None else "made at first use"
         return f"dense above {self.threshold} rows: {self.policy.dense_dtype} copy of {self.dense_bytes} bytes ({made})"
 
@@ -193,11 +213,27 @@ def keep_dense_copies(model: nn.Module, policy: ProductPolicy, budget_bytes: int
              and policy.threshold(int8_kernel(child.fmt.name)) is not None]
     kept = 0
     for owner, name, child in sorted(found, key=lambda f: -f[2].out_features * f[2].in_features):
-        size = child.out_features * child.in_features * DTYPE_BYTES[policy.dense_dtype]
+        size = copy_bytes(child, policy)
         if kept + size <= budget_bytes:
             setattr(owner, name, DenseAbove(child, policy))
             kept += size
     return kept
+
+
+def bf16_tiles(packed: PackedLinear, dense_dtype: str) -> Optional[Callable[..., torch.Tensor]]:
+    """The AMX build's product of bf16 x by the weight dequantized to bf16 tile by tile at each
+    call (linear_q8's `linear_bf16_tiles`): what a bf16 copy multiplies, up to the order of the
+    fp32 sums, with no copy held. None where it is not built or the weight is not linear_q8's."""
+    if dense_dtype != "bfloat16" or not isinstance(packed, PackedLinearQ8):
+        return None
+    return getattr(packed.q8, "linear_bf16_tiles", None)
+
+
+def copy_bytes(packed: PackedLinear, policy: ProductPolicy) -> int:
+    """The bytes a DenseAbove of this linear holds: its dense copy's, or none with bf16 tiles."""
+    if bf16_tiles(packed, policy.dense_dtype) is not None:
+        return 0
+    return packed.out_features * packed.in_features * DTYPE_BYTES[policy.dense_dtype]
 
 
 def make_dense_copies(model: nn.Module) -> int:

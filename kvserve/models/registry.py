@@ -26,7 +26,7 @@ from kvserve.models.olmo2 import Olmo2ForCausalLM
 from kvserve.models.olmoe import OlmoeForCausalLM
 from kvserve.models.phi3 import Phi3ForCausalLM
 from kvserve.models.linear import onednn_bf16_supported
-from kvserve.models.products import (QUANTIZE_TO, ProductPolicy, available_memory, dense_copy_budget,
+from kvserve.models.products import (QUANTIZE_TO, DenseAbove, ProductPolicy, available_memory, dense_copy_budget,
                                      keep_dense_copies, policy_for)
 from kvserve.models.qwen3 import Qwen3ForCausalLM
 from kvserve.models.qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -294,8 +294,11 @@ def _keep_dense_copies(model: nn.Module, policy: ProductPolicy, fraction: float)
         return
     packed_bytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
     kept = keep_dense_copies(model, policy, dense_copy_budget(packed_bytes, fraction, available_memory()))
-    logger.info("packed products above %s rows take bf16 copies: %.1f MB beside %.1f MB packed",
-                "/".join(str(rows) for _, rows in policy.dense_above_rows), kept / 1e6, packed_bytes / 1e6)
+    dense = [m for m in model.modules() if isinstance(m, DenseAbove)]
+    tiles = sum(1 for m in dense if m.tiles is not None)
+    logger.info("packed products above %s rows take the bf16 dense path: %.1f MB of copies beside %.1f MB packed%s",
+                "/".join(str(rows) for rows in sorted({m.threshold for m in dense})), kept / 1e6, packed_bytes / 1e6,
+                f" ({tiles} of {len(dense)} made in AMX tiles from the packed weight at each call)" if tiles else "")
 
 
 def _weights(loaded: LoadedModel, dtype: torch.dtype, weight_dtype: str, float_weights: tuple[str, ...] = (),

@@ -1,5 +1,5 @@
 """The int8-activation kernel (kernels/csrc/linear_q8.cpp) for Q4_0, Q4_1 and Q8_0 weights on
-every code path this CPU runs (portable always, AVX2, AVX-512 VNNI and AMX-INT8 where present): its panels
+every code path this CPU runs (portable always, AVX2, AVX-512 VNNI and AMX where present): its panels
 of 16 rows hold GGUF's bytes and give them back, all or the rows an index names; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
 dx = max|x| / 127, times the dequantized weight) within fp32 summation error, for odd shapes,
 a last panel of fewer than 16 rows, tiles of four rows and their remainders, 1 to 257 rows (AMX's
@@ -18,8 +18,8 @@ from tests.conftest import compiled_kernel, kernel_isas, scaled_rows, torch_thre
 
 ISAS = kernel_isas("linear_q8")
 FMTS = ["q4_0", "q4_1", "q8_0"]
-needs_amx = pytest.mark.skipif("amx_int8" not in ISAS, reason="this CPU has no AMX-INT8 (amx_tile, amx_int8 "
-                               "flags), so kvserve runs no amx_int8 build here")
+needs_amx = pytest.mark.skipif("amx" not in ISAS, reason="this CPU lacks AMX (amx_tile, amx_int8, amx_bf16 with "
+                               "avx512_bf16 and avx512_vnni flags), so kvserve runs no amx build here")
 
 
 def packed(n, k, fmt, seed=0):
@@ -114,8 +114,8 @@ def test_amx_gives_the_vnni_products(fmt):
     """The AMX path scales each block's integer sums with the VNNI tile's float operations, in
     its order: the same products bit for bit, on 1 and 2 threads, for the tiles of 16 rows and
     the rows left after them."""
-    amx, vnni = compiled_kernel("linear_q8", "amx_int8"), compiled_kernel("linear_q8", "avx512_vnni")
-    assert amx.isa() == "amx_int8"
+    amx, vnni = compiled_kernel("linear_q8", "amx"), compiled_kernel("linear_q8", "avx512_vnni")
+    assert amx.isa() == "amx"
     g = torch.Generator().manual_seed(7)
     for n, k in [(577, 1536), (49, 96), (1000, 576)]:
         p = packed(n, k, fmt, seed=n)
@@ -131,18 +131,97 @@ def test_amx_gives_the_vnni_products(fmt):
 
 
 def test_amx_level_only_where_the_cpu_has_it(monkeypatch):
-    """A CPU with AVX-512 VNNI but no AMX keeps the avx512_vnni build; one with AMX-INT8 takes the
-    amx_int8 build (whatever this machine has)."""
+    """A CPU with AVX-512 VNNI but not all of AMX's int8 and bf16 tiles (and AVX512-BF16) keeps the
+    avx512_vnni build; one with all of them takes the amx build (whatever this machine has)."""
     from kvserve import kernels
     monkeypatch.setenv("KVSERVE_KERNELS", "auto")
     vnni_flags = kernels.ISAS["avx512_vnni"].cpu_flags
     monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags)
     assert kernels.best_isa("linear_q8") == "avx512_vnni"
     monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"amx_tile"})
-    assert kernels.best_isa("linear_q8") == "avx512_vnni"  # tiles without their int8 products
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"amx_tile", "amx_int8"})
-    assert kernels.supported_isas("linear_q8")[-2:] == ["avx512_vnni", "amx_int8"]
-    assert kernels.best_isa("linear_q8") == "amx_int8"
+    assert kernels.best_isa("linear_q8") == "avx512_vnni"  # tiles without their products
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"amx_tile", "amx_int8", "amx_bf16"})
+    assert kernels.best_isa("linear_q8") == "avx512_vnni"  # no AVX512-BF16 to round x and W with
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: vnni_flags | {"avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+    assert kernels.supported_isas("linear_q8")[-2:] == ["avx512_vnni", "amx"]
+    assert kernels.best_isa("linear_q8") == "amx"
+
+
+def dense_copy_product(x, w, bias):
+    """What the dense bf16 copy computes: x and W rounded to bf16, their products summed (here in
+    fp64), plus the bias in fp32."""
+    y = x.to(torch.bfloat16).double() @ w.to(torch.bfloat16).double().T
+    return y + (bias.double() if bias is not None else 0)
+
+
+def assert_near_dense_copy(y, x, w, bias):
+    """y is the bf16 copy's product up to the order of its fp32 sums: k ulps of the magnitudes."""
+    m, k = x.shape
+    assert y.shape == (m, w.shape[0]) and y.dtype == torch.float32
+    magnitudes = x.to(torch.bfloat16).double().abs() @ w.to(torch.bfloat16).double().abs().T
+    bias_ulp = bias.double().abs() * 2 ** -23 if bias is not None else 0
+    assert ((y.double() - dense_copy_product(x, w, bias)).abs() <= magnitudes * k * 2 ** -23 + bias_ulp + 1e-30).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_tiles_only_in_the_amx_build(isa):
+    """The bf16 tiles' entry point is in the amx build and no other: callers ask for it by name."""
+    assert hasattr(compiled_kernel("linear_q8", isa), "linear_bf16_tiles") == (isa == "amx")
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n, k", [(49, 32), (49, 576), (577, 1536), (1536, 576), (576, 1536)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_tiles_give_the_dense_copys_products(fmt, n, k, threads):
+    """linear_bf16_tiles is bf16(x) @ bf16(dequantize(W))^T (+ bias) up to the order of the fp32
+    sums: 1 to 257 rows (whole tiles of 16 and the rows left), one or two panels a thread's last
+    step, a last panel of one row, bias or not."""
+    kernel = compiled_kernel("linear_q8", "amx")
+    p = packed(n, k, fmt, seed=n + k)
+    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
+    w = dequantize_torch(p.data, p.fmt, k)
+    g = torch.Generator().manual_seed(threads)
+    for m in (1, 15, 16, 17, 32, 33, 64, 100, 257):
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
+        bias = torch.randn(n, generator=g) if m % 2 else None
+        with torch_threads(threads):
+            y = kernel.linear_bf16_tiles(x, panels, p.fmt.ggml_type, k, n, bias)
+        assert_near_dense_copy(y, x, w, bias)
+
+
+def halfway_q4_1(n):
+    """Q4_1 rows [n, 20] (K = 32) with d = 2**-8 and m = 1: w = 1 + q / 256, and every odd q lies
+    halfway between two bf16 values (their step is 2 / 256 there)."""
+    g = torch.Generator().manual_seed(3)
+    head = torch.tensor([2 ** -8, 1.0], dtype=torch.float16).view(torch.uint8)  # d, m
+    qs = torch.randint(0, 256, (n, 16), generator=g, dtype=torch.uint8)
+    return torch.cat([head.expand(n, 4), qs], dim=1).contiguous()
+
+
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS + ["halfway"])
+def test_bf16_tiles_round_as_torch(fmt):
+    """x and the dequantized weights are rounded to bf16 exactly as torch's .to(torch.bfloat16)
+    (to nearest, ties to even): rows of the identity as x give the rounded weights bit for bit,
+    and the identity as W (Q8_0, d = 1) gives the rounded x, ties included."""
+    kernel = compiled_kernel("linear_q8", "amx")
+    if fmt == "halfway":
+        data, qfmt = halfway_q4_1(40), FORMATS["q4_1"]
+    else:
+        p = packed(40, 64, fmt, seed=11)
+        data, qfmt = p.data, p.fmt
+    k = data.shape[1] // qfmt.block_bytes * 32
+    w = dequantize_torch(data, qfmt, k)
+    y = kernel.linear_bf16_tiles(torch.eye(k), kernel.pack_panels(data, qfmt.ggml_type, k), qfmt.ggml_type, k, 40, None)
+    assert torch.equal(y, w.to(torch.bfloat16).float().T)
+    if fmt == "halfway":
+        assert (w.to(torch.bfloat16).float() != w).any()  # ties were rounded
+    eye = torch.cat([torch.ones(32, 1, dtype=torch.float16).view(torch.uint8), torch.eye(32, dtype=torch.uint8)], dim=1)
+    x = torch.randn(33, 32) * 10.0 ** torch.randint(-30, 30, (33, 1))
+    x[0] = 1 + (2 * torch.arange(32) + 1) * 2.0 ** -8  # halfway between two bf16 values each
+    y = kernel.linear_bf16_tiles(x, kernel.pack_panels(eye, FORMATS["q8_0"].ggml_type, 32), FORMATS["q8_0"].ggml_type, 32, 32, None)
+    assert torch.equal(y, x.to(torch.bfloat16).float())
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -11,6 +11,7 @@ from kvserve.models.products import (DEFAULT_POLICY, DENSE_COPY_EXPANSION, EXACT
                                      ProductPolicy, dense_copy_budget, int8_kernel, keep_dense_copies,
                                      make_dense_copies, missing_int8_kernels, packed_formats, policy_for)
 from kvserve.modules import FastPath
+from kvserve.models import products
 from kvserve.models import linear as linear_module
 from tests.conftest import make_engine
 
@@ -34,6 +35,10 @@ class Counting:
 
 def test_the_policy_names_its_rule_for_each_row_count():
     assert [DEFAULT_POLICY.path(r, "linear_q8") for r in ROWS] == ["int8"] * 4 + ["dense"] * 2  # above 64
+    # made in AMX tiles from the packed weight: above 24 rows
+    assert [DEFAULT_POLICY.path(r, "linear_q8", tiles=True) for r in ROWS] == ["int8"] * 3 + ["dense"] * 3
+    assert DEFAULT_POLICY.threshold("linear_kquant", tiles=True) == 8  # no tiles named: the copy's rows
+    assert INT8_POLICY.threshold("linear_q8", tiles=True) is None
     assert [DEFAULT_POLICY.path(r, "linear_kquant") for r in ROWS] == ["int8"] * 2 + ["dense"] * 4  # above 8
     assert [INT8_POLICY.path(r, k) for r in ROWS for k in ("linear_q8", "linear_kquant")] == ["int8"] * 12
     assert [EXACT_POLICY.path(r) for r in ROWS] == ["float"] * len(ROWS)
@@ -111,7 +116,7 @@ def test_the_defaults_take_the_policys_path_at_every_row_count(smollm2):
     unbind(linear)
     for rows in ROWS:
         int8_calls, float_calls, dense_calls = count_calls(linear, rows)
-        if policy.path(rows, "linear_q8") == "dense" and copies:
+        if policy.path(rows, "linear_q8", linear.tiles is not None) == "dense" and copies:
             assert (int8_calls, float_calls, dense_calls) == (0, 0, 1), rows
         else:
             assert (int8_calls, float_calls, dense_calls) == (1, 0, 0), rows
@@ -131,7 +136,14 @@ def test_the_bound_and_eager_forms_agree(smollm2):
     assert all(torch.equal(a, b) for a, b in zip(fast, eager))
 
 
-def test_a_dense_copy_is_made_by_the_first_call_above_the_threshold(smollm2):
+@pytest.fixture
+def copies_not_tiles(monkeypatch):
+    """The bf16 copies even where the AMX build would make the copy's product from the packed
+    weight (bf16_tiles): the copy path is shown on every machine."""
+    monkeypatch.setattr(products, "bf16_tiles", lambda packed, dtype: None)
+
+
+def test_a_dense_copy_is_made_by_the_first_call_above_the_threshold(smollm2, copies_not_tiles):
     """No copy at load; calls of up to 64 rows make none; the first larger call makes it, equal to
     one made ahead by make_dense_copies (the server's start)."""
     if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
@@ -163,7 +175,7 @@ def test_a_named_path_takes_every_row_count(smollm2, options, path):
         assert (int8_calls, float_calls, dense_calls) == ((1, 0, 0) if path == "int8" else (0, 1, 0)), rows
 
 
-def test_copies_stay_within_the_budget(smollm2):
+def test_copies_stay_within_the_budget(smollm2, copies_not_tiles):
     if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
         pytest.skip("no int8 kernel or no oneDNN bf16 here")
     engine = make_engine(smollm2, max_model_len=256, packed_activations="int8")
@@ -173,3 +185,24 @@ def test_copies_stay_within_the_budget(smollm2):
     copies = [m for m in engine.model.modules() if isinstance(m, DenseAbove)]
     assert 0 < kept <= one_layer and sum(m.dense_bytes for m in copies) == kept
     assert not isinstance(engine.model.lm_head, DenseAbove)  # the head multiplies only the sampled rows
+
+
+def test_amx_tiles_multiply_what_a_copy_would_and_hold_no_copy(smollm2):
+    """Where the AMX build makes the bf16 product from the packed weight at each call, the
+    defaults' dense path holds no copy (no bytes, none made ahead or by a call) and gives the
+    bf16 copy's product: bf16(x) times the weight dequantized and rounded to bf16, up to the
+    order of the fp32 sums."""
+    if kernels.load("linear_q8") is None or not hasattr(kernels.load("linear_q8"), "linear_bf16_tiles"):
+        pytest.skip("no AMX build of linear_q8 here (amx_tile, amx_int8, amx_bf16)")
+    engine = make_engine(smollm2, max_model_len=256)
+    dense = [m for m in engine.model.modules() if isinstance(m, DenseAbove)]
+    assert dense and all(m.tiles is not None and m.dense_bytes == 0 for m in dense)
+    assert make_dense_copies(engine.model) == 0
+    for linear in (engine.model.model.layers[0].mlp.down_proj, engine.model.model.layers[0].self_attn.fused_qkv.fused):
+        x = torch.randn(linear.threshold + 9, linear.in_features)
+        with torch.no_grad():
+            y = linear(x)
+        assert linear.dense_weight is None
+        xb, w = x.bfloat16().double(), linear.packed._dense_weight(torch.bfloat16).double()
+        bound = linear.in_features * 2 ** -23 * (xb.abs() @ w.abs().T) + 1e-30
+        assert ((y.double() - xb @ w.T).abs() <= bound).all()

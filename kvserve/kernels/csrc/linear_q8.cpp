@@ -31,7 +31,7 @@
 // at a time, so a weight loaded serves four rows, and the one to three rows left in one more
 // pass (a tile of that many rows, not a pass a row).
 //
-// AMX (the amx_int8 build; from 32 rows of x, 16 for Q8_0, where it starts to beat VNNI): a
+// AMX-INT8 (the amx build; from 32 rows of x, 16 for Q8_0, where it starts to beat VNNI): a
 // panel's block is already a B tile of the int8 tile product (8 rows of 64 bytes, 4 K bytes of
 // each of 16 W rows): Q8_0's as it lies, Q4's once its nibbles are bytes (a panel's blocks
 // unpacked once for every tile of rows of x; Q4_0's less 8, signed, so that the tile sums are
@@ -43,6 +43,11 @@
 // to 1.5 times VNNI's for Q4 from 32 rows, 2.5 times for Q8_0 (whose signed bytes cost VNNI two
 // more instructions). Whole tiles of 16 rows go to AMX, the rows left to VNNI; threads split the
 // panels, a group of four at a time, so that each tile of rows is read from L1 for four panels.
+//
+// The amx build has a second product, linear_bf16_tiles: what a dense bf16 copy of W multiplied
+// by bf16 x gives (oneDNN's AMX-BF16 product of the copy), without the copy: each call makes a
+// panel's bf16 B tiles from its blocks, scales applied, and every tile of rows of x reuses them,
+// summing in fp32 tiles over the whole of K ("bf16 tiles" below).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include "linear_operands.h"
@@ -51,7 +56,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -420,6 +427,22 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
 
 #if defined(__AMX_INT8__)
 constexpr int64_t kTileRows = 16;  // rows of x an A tile holds
+
+// Buffers of tiles start on a cache line: a tile row that straddles two loads at a third of the
+// speed (measured: 13 ns a tdpbf16ps with its B tile load, 5 aligned; the int8 tiles' unpacked
+// Q4 blocks, aligned, 5-12% less time a product).
+struct FreeAligned {
+  void operator()(void* p) const { std::free(p); }
+};
+template <typename T>
+using TileBuffer = std::unique_ptr<T[], FreeAligned>;
+template <typename T>
+TileBuffer<T> tile_buffer(int64_t count) {
+  const size_t bytes = (count * sizeof(T) + 63) / 64 * 64;
+  TileBuffer<T> buf(static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64))));
+  TORCH_CHECK(buf, "out of memory for ", bytes, " bytes of tiles");
+  return buf;
+}
 constexpr int64_t kAmxGroup = 4;  // panels unpacked together, each tile of rows times all four
 
 // From this many rows of x the AMX tiles run; below, the VNNI path (measured: see the header).
@@ -575,11 +598,11 @@ void linear_amx(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   const int64_t nb = K / kBlock, pb = kPanel * nb * block_bytes(FMT), np = panels(out.N);
   at::parallel_for(0, np, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    std::vector<uint8_t> buf(FMT == kQ8_0 ? 0 : kAmxGroup * nb * 512);
+    const TileBuffer<uint8_t> buf = tile_buffer<uint8_t>(FMT == kQ8_0 ? 0 : kAmxGroup * nb * 512);
     const uint8_t* bt[kAmxGroup];
     for (int64_t p0 = begin; p0 < end; p0 += kAmxGroup) {
       const int64_t group = std::min(kAmxGroup, end - p0);
-      for (int64_t g = 0; g < group; ++g) bt[g] = b_tiles<FMT>(w + (p0 + g) * pb, nb, buf.data() + g * nb * 512);
+      for (int64_t g = 0; g < group; ++g) bt[g] = b_tiles<FMT>(w + (p0 + g) * pb, nb, buf.get() + g * nb * 512);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
         for (int64_t g = 0; g < group; ++g)
           amx_tile<FMT>(bt[g], w + (p0 + g) * pb + nb * quant_bytes(FMT), q, m0, K, out, (p0 + g) * kPanel);
@@ -594,6 +617,257 @@ void amx_rows(const float* x, const uint8_t* w, const Out& out, int64_t M, int64
   QuantizedX q = quantize_x(x, M, K);
   tile_scales(q, M, K / kBlock);
   linear_amx<FMT>(q, w, out, M, K);
+}
+#endif
+
+#if defined(__AMX_BF16__)
+// bf16 tiles (linear_bf16_tiles): the product a dense bf16 copy of W gives (each weight d q (+ m)
+// in fp32 rounded once to bf16, times x rounded to bf16, summed in fp32), made without the copy.
+// A panel's weights are dequantized once a call into AMX-BF16 B tiles, which every tile of rows
+// of x then reuses: the scales are applied while dequantizing, so the fp32 C tiles sum over the
+// whole of K and are stored once, unlike the int8 tiles' store and rescale every block.
+//
+// A B tile is a block of 32 K values of a panel's 16 W rows, in pairs of K (what tdpbf16ps
+// multiplies): row k2 holds, for each W row n, its bf16 weights 2 k2 and 2 k2 + 1 side by side:
+//   tile row k2: [n0: w(2k2) w(2k2+1)][n1: w(2k2) w(2k2+1)] ... [n15: ...]   (64 bytes)
+// so a panel's tiles, block after block, are its weights as [K / 2][16][2] bf16.
+//
+// Threads take pairs of panels (2 x 2 C tiles: two tiles of rows of x by two panels). The tile
+// products run on the AMX unit while the vector units are free, so the next pair's blocks are
+// dequantized between them, a few after each step of K, and a finished C tile pair's rows are
+// stored the same way: at 64 rows the dequantizing (about 0.2 cycles a weight, a fixed cost of
+// each call) then mostly hides behind the products instead of adding to them.
+constexpr int64_t kPairTile = kBlock * kPanel;  // bf16 values in a B tile
+
+// [0, 16, 1, 17, ...]: the words of (16 even weights, 16 odd ones) as 16 pairs.
+inline __m512i pair_order() {
+  alignas(64) static const uint16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  return _mm512_load_si512(order);
+}
+
+// The weights at K 2 k2 (`even`) and 2 k2 + 1 (`odd`) of 16 W rows, a lane a row, rounded to
+// bf16 to nearest even (vcvtne2ps2bf16, as torch's .to(torch.bfloat16)) into tile row k2.
+inline void pair_row(__m512 even, __m512 odd, __m512i order, uint16_t* row) {
+  const __m512i words = (__m512i)_mm512_cvtne2ps_pbh(odd, even);  // even's 16 words, then odd's
+  _mm512_storeu_si512(row, _mm512_permutexvar_epi16(order, words));
+}
+
+// Codes (int32, a lane a W row) -> weights. d q is exact in fp32 (an fp16 d times a code of at
+// most 8 bits needs 19 of its 24 bits), so one fused multiply-add rounds only the sum, as torch's
+// d * q + m does; Q4_0's d (q - 8) is d q + (-8 d), exact too.
+inline __m512 weights(__m512i q, __m512 d, __m512 offset) { return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, offset); }
+
+// One block of a panel (its weight bytes at `qs`; a chunk c of 64 bytes holds bytes 4c..4c+3 of
+// each W row, a dword a row) -> its B tile. Q4: byte j's low nibble is K j, its high one 16 + j;
+// Q8_0: byte j is K j, signed.
+template <int FMT>
+void dequantize_block(const uint8_t* qs, __m512 d, __m512 offset, __m512i order, uint16_t* tile) {
+  if constexpr (FMT == kQ8_0) {
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = V::load(qs + c * 64);
+      __m512 w[4];
+      for (int i = 0; i < 4; ++i) w[i] = weights(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * i), 24), d, offset);
+      pair_row(w[0], w[1], order, tile + 2 * c * 32);
+      pair_row(w[2], w[3], order, tile + (2 * c + 1) * 32);
+    }
+  } else {
+    const __m512i mask = _mm512_set1_epi32(15);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = V::load(qs + c * 64);
+      __m512 lo[4], hi[4];
+      for (int i = 0; i < 4; ++i) {
+        lo[i] = weights(_mm512_and_si512(_mm512_srli_epi32(v, 8 * i), mask), d, offset);
+        hi[i] = weights(i == 3 ? _mm512_srli_epi32(v, 28) : _mm512_and_si512(_mm512_srli_epi32(v, 8 * i + 4), mask), d, offset);
+      }
+      pair_row(lo[0], lo[1], order, tile + 2 * c * 32);
+      pair_row(lo[2], lo[3], order, tile + (2 * c + 1) * 32);
+      pair_row(hi[0], hi[1], order, tile + (8 + 2 * c) * 32);
+      pair_row(hi[2], hi[3], order, tile + (9 + 2 * c) * 32);
+    }
+  }
+}
+
+// The B tiles of a run of panels, made a few blocks at a time (`step`) between tile products.
+template <int FMT>
+struct PanelTiles {
+  const uint8_t* w;  // the first panel
+  int64_t pb, nb;    // a panel's bytes, its blocks
+  uint16_t* tiles;   // [panel][nb][kPairTile]
+  int64_t total = 0, done = 0;  // blocks
+
+  void start(const uint8_t* first, int64_t count, uint16_t* to) { w = first, tiles = to, total = count * nb, done = 0; }
+  void step(int64_t blocks) {
+    const __m512i order = pair_order();
+    for (const int64_t stop = std::min(total, done + blocks); done < stop; ++done) {
+      const int64_t b = done % nb;
+      const uint8_t* panel = w + done / nb * pb;
+      const uint8_t* scales = panel + nb * quant_bytes(FMT) + b * 32;
+      const __m512 d = V::halves(scales);
+      const __m512 offset = FMT == kQ4_1 ? V::halves(scales + nb * 32) : FMT == kQ4_0 ? V::mul(d, V::set1f(-8.f)) : V::zerof();
+      dequantize_block<FMT>(panel + b * quant_bytes(FMT), d, offset, order, tiles + done * kPairTile);
+    }
+  }
+  void finish() {
+    step(total - done);
+    asm volatile("" ::: "memory");  // tileloadd's intrinsic does not tell the compiler it reads memory
+  }
+};
+
+using Bf16Buffer = TileBuffer<uint16_t>;
+Bf16Buffer bf16_buffer(int64_t count) { return tile_buffer<uint16_t>(count); }
+
+// x [M, K] fp32 -> bf16 rows (to nearest even), as many as whole tiles of 16 need: the rows past
+// M are zeros, so that every A tile is whole (their sums are never stored). A denormal x becomes
+// 0 (vcvtne2ps2bf16 flushes it; torch keeps it): a product moves by less than 2^-126 |w|.
+Bf16Buffer bf16_rows(const float* x, int64_t M, int64_t K) {
+  const int64_t rows = (M + kTileRows - 1) / kTileRows * kTileRows;
+  Bf16Buffer a = bf16_buffer(rows * K);
+  std::memset(a.get() + M * K, 0, (rows - M) * K * sizeof(uint16_t));
+  at::parallel_for(0, M * K / kBlock, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const __m512 lo = _mm512_loadu_ps(x + i * kBlock), hi = _mm512_loadu_ps(x + i * kBlock + 16);
+      _mm512_storeu_si512(a.get() + i * kBlock, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+  });
+  return a;
+}
+
+// Tiles 0..3: C, 16 x 16 fp32, [tile of rows][panel]; 4, 5: A, 16 rows of x by 32 bf16 of K;
+// 6, 7: B, a panel's block (16 K pairs of 16 W rows).
+void configure_bf16_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  asm volatile("" ::: "memory");  // the intrinsic tells the compiler it reads 8 bytes, not 64
+  _tile_loadconfig(&cfg);
+}
+
+// MT tiles of rows of x (bf16 rows from `a`, K apart) times NT panels' B tiles (from `b`, a
+// panel `panel` values after the last) over all of K, 2 x 2 C tiles at most: each A and B tile
+// loaded serves two products. The sums go to c [MT * 16][32]; `between()` runs after each step
+// of K, while the unit works through its products.
+template <int MT, int NT, typename Between>
+void tile_sums(const uint16_t* a, int64_t K, const uint16_t* b, int64_t panel, float* c, Between&& between) {
+  const int64_t lda = K * sizeof(uint16_t), nb = K / kBlock;
+  _tile_zero(0);
+  if constexpr (NT == 2) _tile_zero(1);
+  if constexpr (MT == 2) _tile_zero(2);
+  if constexpr (MT == 2 && NT == 2) _tile_zero(3);
+  // each load just before its first product: tiles are not renamed, so a load waits for the
+  // products still reading the tile, and loading all four first leaves the unit idle meanwhile
+  for (int64_t kb = 0; kb < nb; ++kb) {
+    _tile_loadd(4, a + kb * kBlock, lda);
+    _tile_loadd(6, b + kb * kPairTile, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if constexpr (NT == 2) {
+      _tile_loadd(7, b + panel + kb * kPairTile, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if constexpr (MT == 2) {
+      _tile_loadd(5, a + kTileRows * K + kb * kBlock, lda);
+      _tile_dpbf16ps(2, 5, 6);
+    }
+    if constexpr (MT == 2 && NT == 2) _tile_dpbf16ps(3, 5, 7);
+    between();
+  }
+  _tile_stored(0, c, 128);
+  if constexpr (NT == 2) _tile_stored(1, c + 16, 128);
+  if constexpr (MT == 2) _tile_stored(2, c + 16 * 32, 128);
+  if constexpr (MT == 2 && NT == 2) _tile_stored(3, c + 16 * 32 + 16, 128);
+}
+
+// Without the tiles (the system refused them): the same products on AVX512-BF16 vectors, one row
+// of x times a panel: a broadcast pair of x's K values times a B tile row, K / 2 of them.
+void vector_sums(const uint16_t* a, int64_t K, const uint16_t* b, float* c) {
+  __m512 acc[2] = {V::zerof(), V::zerof()};  // two chains of dependent sums
+  for (int64_t k2 = 0; k2 < K / 2; ++k2) {
+    int32_t pair;
+    std::memcpy(&pair, a + 2 * k2, sizeof pair);
+    const __m512i row = V::load(reinterpret_cast<const uint8_t*>(b + k2 * 32));
+    acc[k2 % 2] = _mm512_dpbf16_ps(acc[k2 % 2], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)row);
+  }
+  V::store(c, _mm512_add_ps(acc[0], acc[1]));
+}
+
+// Row m of y from column n0: `count` sums (clipped at N) plus the bias, a vector at a time (Out's
+// loop of scalars nearly doubled the time at 512 rows).
+inline void store_row(const Out& out, int64_t m, int64_t n0, const float* sums, int64_t count) {
+  for (int64_t j = 0; j < count && n0 + j < out.N; j += kPanel) {
+    const int64_t left = out.N - n0 - j;
+    const __mmask16 mask = left >= kPanel ? 0xFFFF : (1u << left) - 1;
+    __m512 v = _mm512_loadu_ps(sums + j);
+    if (out.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, out.bias + n0 + j));
+    _mm512_mask_storeu_ps(out.y + m * out.N + n0 + j, mask, v);
+  }
+}
+
+// The sums of a finished pair of row tiles on their way to y, a few rows at a time (`step`)
+// between the next tiles' products (stored all at once, they added an eighth at 512 rows).
+struct PendingRows {
+  const Out& out;
+  const float* sums = nullptr;  // [rows][32]
+  int64_t m0 = 0, rows = 0, n0 = 0, count = 0, done = 0;
+
+  void start(const float* s, int64_t m, int64_t r, int64_t n, int64_t c) { sums = s, m0 = m, rows = r, n0 = n, count = c, done = 0; }
+  void step(int64_t more) {
+    for (const int64_t stop = std::min(rows, done + more); done < stop; ++done) store_row(out, m0 + done, n0, sums + done * 32, count);
+  }
+  void finish() { step(rows - done); }
+};
+
+// Every row of x (`a`, whole tiles of bf16 rows) times the `count` panels from p0 whose B tiles
+// are at `b`, into y; `next`'s blocks are made along the way (all of them by the end). The C
+// tiles of a pair of row tiles go to one of two buffers while the other's rows are stored.
+template <int FMT>
+void rows_times_panels(const uint16_t* a, int64_t M, int64_t K, const uint16_t* b, int64_t count, int64_t p0,
+                       bool tiles, const Out& out, PanelTiles<FMT>& next) {
+  const int64_t nb = K / kBlock, panel = nb * kPairTile, row_tiles = (M + kTileRows - 1) / kTileRows;
+  const int64_t steps = (row_tiles + 1) / 2 * nb, per_step = (next.total + steps - 1) / steps;
+  alignas(64) float c[2][2 * kTileRows * 32];
+  PendingRows pending{out};
+  for (int64_t t = 0; t < row_tiles; t += 2) {
+    const int64_t m0 = t * kTileRows, rows = std::min(2 * kTileRows, M - m0), rows_per_step = (pending.rows + nb - 1) / nb;
+    const uint16_t* at = a + m0 * K;
+    float* sums = c[t / 2 % 2];
+    auto between = [&] {
+      next.step(per_step);
+      pending.step(rows_per_step);
+    };
+    if (!tiles) {
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t g = 0; g < count; ++g) vector_sums(at + r * K, K, b + g * panel, sums + r * 32 + g * kPanel);
+    } else if (t + 1 < row_tiles) {
+      count == 2 ? tile_sums<2, 2>(at, K, b, panel, sums, between) : tile_sums<2, 1>(at, K, b, panel, sums, between);
+    } else {
+      count == 2 ? tile_sums<1, 2>(at, K, b, panel, sums, between) : tile_sums<1, 1>(at, K, b, panel, sums, between);
+    }
+    pending.finish();
+    pending.start(sums, m0, rows, p0 * kPanel, count * kPanel);
+  }
+  pending.finish();
+  next.finish();
+}
+
+// Pairs of panels split over threads (each sets up its own tiles): a pair's B tiles are made
+// once (while the pair before is multiplied), then every tile of rows of x multiplies them.
+template <int FMT>
+void bf16_product(const uint16_t* a, int64_t M, const uint8_t* w, int64_t K, const Out& out) {
+  const int64_t nb = K / kBlock, pb = kPanel * nb * block_bytes(FMT), np = panels(out.N);
+  const bool tiles = amx_allowed();
+  at::parallel_for(0, (np + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+    if (tiles) configure_bf16_tiles();
+    const Bf16Buffer buffers[2] = {bf16_buffer(2 * nb * kPairTile), bf16_buffer(2 * nb * kPairTile)};
+    auto count = [&](int64_t pair) { return std::min<int64_t>(2, np - 2 * pair); };
+    PanelTiles<FMT> next{w, pb, nb, nullptr};
+    next.start(w + 2 * begin * pb, count(begin), buffers[0].get());
+    next.finish();
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t i = pair - begin;
+      next.start(w + 2 * (pair + 1) * pb, pair + 1 < end ? count(pair + 1) : 0, buffers[(i + 1) % 2].get());
+      rows_times_panels<FMT>(a, M, K, buffers[i % 2].get(), count(pair), 2 * pair, tiles, out, next);
+    }
+    if (tiles) _tile_release();
+  });
 }
 #endif
 
@@ -622,7 +896,7 @@ void check(const at::Tensor& w, int64_t fmt, int64_t K) {
 
 std::string isa() {
 #if defined(__AMX_INT8__)
-  return "amx_int8";
+  return "amx";
 #elif defined(__AVX512VNNI__)
   return "avx512_vnni";
 #elif defined(__AVX2__)
@@ -713,6 +987,29 @@ at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t
   return y;
 }
 
+#if defined(__AMX_BF16__)
+// y = bf16(x) @ bf16(W)^T (+ bias) in fp32: a dense bf16 copy's product, W dequantized tile by
+// tile at each call (see "bf16 tiles" above).
+at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                             c10::optional<at::Tensor> bias) {
+  check(w, fmt, K);
+  TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
+  auto xc = kvserve::checked_x(x, K);
+  const int64_t M = x.size(0);
+  at::Tensor bc;
+  const float* b = kvserve::bias_ptr(bias, N, bc);
+  auto y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const Bf16Buffer a = bf16_rows(xc.data_ptr<float>(), M, K);
+  const Out out{y.data_ptr<float>(), b, N};
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  if (fmt == kQ4_0) bf16_product<kQ4_0>(a.get(), M, wp, K, out);
+  else if (fmt == kQ4_1) bf16_product<kQ4_1>(a.get(), M, wp, K, out);
+  else bf16_product<kQ8_0>(a.get(), M, wp, K, out);
+  return y;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -722,4 +1019,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("fmt"), py::arg("K"), py::arg("N"), py::arg("index") = py::none());
   m.def("linear_q8", &linear_q8,
         "fp32 x @ W^T (+ bias), x quantized to 8 bits per 32-block, W in panels of N Q4_0 / Q4_1 / Q8_0 rows");
+#if defined(__AMX_BF16__)
+  m.def("linear_bf16_tiles", &linear_bf16_tiles,
+        "fp32 bf16(x) @ bf16(W)^T (+ bias), W in panels of N Q4_0 / Q4_1 / Q8_0 rows dequantized to bf16 at each call");
+#endif
 }
