@@ -11,6 +11,12 @@ Q4_K_M, and for rows 1, 4, 16, 64, 256 and 512 of fp32 activations, each path's 
     bf16    a bf16 copy of the dequantized weight kept once, reordered for oneDNN (AMX / AVX512-BF16
             where the CPU has them), the fp32 activations converted to bf16 and the product back
     fp32    the same with an fp32 copy (oneDNN fp32)
+    tiles   (Q4_0 / Q4_1 / Q8_0 with linear_q8's AMX build) the bf16 copy's product made in AMX
+            tiles from the packed weight at each call, no copy held
+
+And, with `--step-rows`, one decode step's products of the whole default model as the engine
+holds them (every layer's DenseAbove), made in tiles or by int8 at those rows: where the policy's
+tiles threshold (tiles_above_rows) comes from.
 
 Figures: microseconds for the layer's products (the fastest of interleaved repeats), and the bytes
 each copy holds beside the packed weights. By default one thread and the process's CPU time
@@ -23,6 +29,7 @@ the defaults), decoding at batch 1 and 64: whether bf16 activations pay around p
 that take fp32 (kvserve.config.resolve_dtype keeps float32 for packed weights).
 
     .venv/bin/python benchmarks/product_paths.py [--threads N] [--reps 30] [--gemma PATH]
+        [--step-rows 16 24 32 48 64]
 
 Writes benchmarks/results/product_paths.json.
 """
@@ -44,10 +51,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvserve import kernels  # noqa: E402
 from kvserve.models.packed import FusedPacked, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows, PackedWeight  # noqa: E402
+from kvserve.models.products import DenseAbove, bf16_tiles  # noqa: E402
 from kvserve.models.registry import build_model, default_model_path, load_weights  # noqa: E402
 
-ROWS = (1, 4, 16, 64, 256, 512)
-PATHS = ("int8", "float", "bf16", "fp32")
+ROWS = (1, 4, 16, 32, 64, 256, 512)
+PATHS = ("int8", "float", "bf16", "fp32", "tiles")
 
 
 def layer_linears(path: str) -> list[PackedLinear]:
@@ -77,9 +85,40 @@ class DenseCopy:
 
 
 def paths_of(linear: PackedLinear) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """Each path's product for this weight (tiles only where built for its format)."""
     q8 = PackedLinearQ8(linear) if linear.fmt.name in PackedLinearQ8.FORMATS else PackedLinearQ8Rows(linear)
-    return {"int8": q8, "float": linear, "bf16": DenseCopy(linear, torch.bfloat16),
-            "fp32": DenseCopy(linear, torch.float32)}
+    paths = {"int8": q8, "float": linear, "bf16": DenseCopy(linear, torch.bfloat16),
+             "fp32": DenseCopy(linear, torch.float32)}
+    tiles = bf16_tiles(q8, "bfloat16")
+    if tiles is not None:
+        paths["tiles"] = lambda x: tiles(x, q8.qweight, q8.fmt.ggml_type, q8.in_features, q8.out_features, q8.bias)
+    return paths
+
+
+def step_products(rows_list: list[int], reps: int) -> dict:
+    """One decode step's products of the default model (every DenseAbove the engine holds), in
+    AMX tiles against int8, ms (medians of interleaved repeats, wall time)."""
+    from kvserve.engine.llm_engine import LLMEngine
+    engine = LLMEngine.from_options("SmolLM2-135M-Instruct", max_model_len=256)
+    dense = [m for m in engine.model.modules() if isinstance(m, DenseAbove) and m.tiles is not None]
+    if not dense:
+        return {"not run": "no AMX build of linear_q8 here"}
+    result: dict = {"products": len(dense), "ms": {}}
+    with torch.no_grad():
+        for rows in rows_list:
+            xs = [torch.randn(rows, m.in_features) for m in dense]
+            runs = {"tiles": lambda: [m._dense(x) for m, x in zip(dense, xs)],
+                    "int8": lambda: [m.packed.forward(x) for m, x in zip(dense, xs)]}
+            times: dict[str, list[float]] = {k: [] for k in runs}
+            for _ in range(reps):
+                for k, run in runs.items():
+                    t0 = time.perf_counter()
+                    run()
+                    times[k].append(time.perf_counter() - t0)
+            result["ms"][rows] = {k: round(statistics.median(t) * 1e3, 2) for k, t in times.items()}
+            print(f"one step's {len(dense)} products at {rows} rows: " +
+                  ", ".join(f"{k} {v} ms" for k, v in result["ms"][rows].items()), flush=True)
+    return result
 
 
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
@@ -94,13 +133,14 @@ def measure(linears: list[PackedLinear], reps: int, clock: Callable[[], float] =
                     "us": {}}
     for rows in ROWS:
         xs = [torch.randn(rows, lin.in_features) for lin in linears]
-        times: dict[str, list[float]] = {p: [] for p in PATHS}
+        paths = [p for p in PATHS if all(p in pl for pl in per_linear)]
+        times: dict[str, list[float]] = {p: [] for p in paths}
         with torch.no_grad():
-            for p in PATHS:  # warm up
+            for p in paths:  # warm up
                 for pl, x in zip(per_linear, xs):
                     pl[p](x)
             for _ in range(reps):  # interleaved, so a noisy neighbour hits every path alike
-                for p in PATHS:
+                for p in paths:
                     t0 = clock()
                     for pl, x in zip(per_linear, xs):
                         pl[p](x)
@@ -156,6 +196,8 @@ def main() -> None:
     p.add_argument("--no-engine", action="store_true", help="skip the engine's float32 vs bfloat16 speeds")
     p.add_argument("--no-products", action="store_true", help="only the engine's speeds")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--step-rows", type=int, nargs="*", default=[], help="also one decode step's products at these "
+                   "rows: AMX tiles against int8 (the tiles threshold)")
     p.add_argument("--gemma", default=None, help="the Gemma-3-270M Q4_K_M GGUF (default: assembled from its package)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "product_paths.json"))
     a = p.parse_args()
@@ -168,6 +210,8 @@ def main() -> None:
         report["engine_tokens_per_s"] = speeds = dtype_speeds(models["SmolLM2-135M Q4_1"], 2, CLOCKS[a.clock])
         print("SmolLM2 Q4_1, the defaults but --dtype, generated tokens/s: "
               + ", ".join(f"{k} {v}" for k, v in speeds.items()))
+    if a.step_rows:
+        report["step_products"] = step_products(a.step_rows, max(5, a.reps // 2))
     for name, path in models.items():
         if path is None or a.no_products:
             continue
@@ -175,10 +219,11 @@ def main() -> None:
         report["models"][name] = r
         print(f"\n{name}: one layer's products {', '.join(r['products'])}; packed {r['packed_bytes'] / 1e6:.2f} MB, "
               f"bf16 copy {r['copy_bytes']['bf16'] / 1e6:.2f} MB, fp32 copy {r['copy_bytes']['fp32'] / 1e6:.2f} MB")
-        print(f"{'rows':>6} " + " ".join(f"{p + ' us':>10}" for p in PATHS) + "   fastest")
+        paths = list(next(iter(r["us"].values())))
+        print(f"{'rows':>6} " + " ".join(f"{p + ' us':>10}" for p in paths) + "   fastest")
         for rows, us in r["us"].items():
             best = min(us, key=us.get)
-            print(f"{rows:>6} " + " ".join(f"{us[p]:>10.1f}" for p in PATHS) + f"   {best}")
+            print(f"{rows:>6} " + " ".join(f"{us[p]:>10.1f}" for p in paths) + f"   {best}")
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     if a.no_products and os.path.exists(a.out):  # keep the products a full run measured
         with open(a.out) as f:
