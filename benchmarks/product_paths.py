@@ -13,6 +13,8 @@ Q4_K_M, and for rows 1, 4, 16, 64, 256 and 512 of fp32 activations, each path's 
     fp32    the same with an fp32 copy (oneDNN fp32)
     tiles   (Q4_0 / Q4_1 / Q8_0 with linear_q8's AMX build) the bf16 copy's product made in AMX
             tiles from the packed weight at each call, no copy held
+    vnni    (the same, where the amx build runs) int8 through linear_q8's avx512_vnni build: the
+            int8 path as it was without AMX-INT8
 
 And, with `--step-rows`, one decode step's products of the whole default model as the engine
 holds them (every layer's DenseAbove), made in tiles or by int8 at those rows: where the policy's
@@ -55,7 +57,7 @@ from kvserve.models.products import DenseAbove, bf16_tiles  # noqa: E402
 from kvserve.models.registry import build_model, default_model_path, load_weights  # noqa: E402
 
 ROWS = (1, 4, 16, 32, 64, 256, 512)
-PATHS = ("int8", "float", "bf16", "fp32", "tiles")
+PATHS = ("int8", "float", "bf16", "fp32", "tiles", "vnni")
 
 
 def layer_linears(path: str) -> list[PackedLinear]:
@@ -92,6 +94,9 @@ def paths_of(linear: PackedLinear) -> dict[str, Callable[[torch.Tensor], torch.T
     tiles = bf16_tiles(q8, "bfloat16")
     if tiles is not None:
         paths["tiles"] = lambda x: tiles(x, q8.qweight, q8.fmt.ggml_type, q8.in_features, q8.out_features, q8.bias)
+        vnni = PackedLinearQ8(linear)
+        vnni.q8 = kernels.load("linear_q8", "avx512_vnni")  # the same panels, the level below AMX
+        paths["vnni"] = vnni
     return paths
 
 
