@@ -70,8 +70,9 @@ class ProductPolicy:
     above where the CPU multiplies bf16 natively and memory allows; on other CPUs (no bf16 GEMM
     worth a copy) int8 for every row count. Made in AMX tiles from Q4_0 / Q4_1 / Q8_0 weights
     (tiles_above_rows), the dense path runs above 24 rows: one step's 120 products of SmolLM2 at
-    16 / 32 / 64 rows took 7.7 / 9.2 / 15.3 ms in tiles against 7.7 / 10.4 / 20.0 int8 (2 threads,
-    the int8 tiles on AMX-INT8 from 32 rows; docs/defaults.md).
+    16 / 24 / 32 / 64 rows took 9.08 / 10.43 / 11.40 / 18.41 ms in tiles against 9.02 / 11.47 /
+    12.40 / 24.30 int8 (2 threads, the int8 tiles on AMX-INT8 from 32 rows; product_paths.py
+    --step-rows).
     """
 
     activations: str = "int8"
