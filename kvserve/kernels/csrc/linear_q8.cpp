@@ -968,23 +968,37 @@ at::Tensor unpack_panels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::o
   return out;
 }
 
-at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
-                     c10::optional<at::Tensor> bias) {
+// A product's operands, checked (x [M, K] fp32, W's panels of N rows, bias [N] or none), and its
+// output y [M, N]; `holder` keeps a converted bias alive.
+struct Operands {
+  at::Tensor x, holder, y;
+  const float* bias;
+  int64_t M;
+  Out out(int64_t N) { return {y.data_ptr<float>(), bias, N}; }
+};
+
+Operands operands(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, int64_t N,
+                  const c10::optional<at::Tensor>& bias) {
   check(w, fmt, K);
   TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
-  auto xc = kvserve::checked_x(x, K);
-  const int64_t M = x.size(0);
-  at::Tensor bc;
-  const float* b = kvserve::bias_ptr(bias, N, bc);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const float* xp = xc.data_ptr<float>();
-  const Out out{y.data_ptr<float>(), b, N};
+  Operands o;
+  o.x = kvserve::checked_x(x, K);
+  o.M = x.size(0);
+  o.bias = kvserve::bias_ptr(bias, N, o.holder);
+  o.y = at::empty({o.M, N}, x.options());
+  return o;
+}
+
+at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                     c10::optional<at::Tensor> bias) {
+  Operands o = operands(x, w, fmt, K, N, bias);
+  if (o.M == 0) return o.y;
+  const float* xp = o.x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (fmt == kQ4_0) product<kQ4_0>(xp, wp, out, M, K);
-  else if (fmt == kQ4_1) product<kQ4_1>(xp, wp, out, M, K);
-  else product<kQ8_0>(xp, wp, out, M, K);
-  return y;
+  if (fmt == kQ4_0) product<kQ4_0>(xp, wp, o.out(N), o.M, K);
+  else if (fmt == kQ4_1) product<kQ4_1>(xp, wp, o.out(N), o.M, K);
+  else product<kQ8_0>(xp, wp, o.out(N), o.M, K);
+  return o.y;
 }
 
 #if defined(__AMX_BF16__)
@@ -992,21 +1006,14 @@ at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t
 // tile at each call (see "bf16 tiles" above).
 at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
                              c10::optional<at::Tensor> bias) {
-  check(w, fmt, K);
-  TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
-  auto xc = kvserve::checked_x(x, K);
-  const int64_t M = x.size(0);
-  at::Tensor bc;
-  const float* b = kvserve::bias_ptr(bias, N, bc);
-  auto y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  const Bf16Buffer a = bf16_rows(xc.data_ptr<float>(), M, K);
-  const Out out{y.data_ptr<float>(), b, N};
+  Operands o = operands(x, w, fmt, K, N, bias);
+  if (o.M == 0) return o.y;
+  const Bf16Buffer a = bf16_rows(o.x.data_ptr<float>(), o.M, K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  if (fmt == kQ4_0) bf16_product<kQ4_0>(a.get(), M, wp, K, out);
-  else if (fmt == kQ4_1) bf16_product<kQ4_1>(a.get(), M, wp, K, out);
-  else bf16_product<kQ8_0>(a.get(), M, wp, K, out);
-  return y;
+  if (fmt == kQ4_0) bf16_product<kQ4_0>(a.get(), o.M, wp, K, o.out(N));
+  else if (fmt == kQ4_1) bf16_product<kQ4_1>(a.get(), o.M, wp, K, o.out(N));
+  else bf16_product<kQ8_0>(a.get(), o.M, wp, K, o.out(N));
+  return o.y;
 }
 #endif
 
