@@ -8,7 +8,12 @@ Gemma-3-270M 4/1 x 256. Each sequence's context fills shuffled blocks of 16 toke
 output is checked against torch (1e-4) before it is timed.
 
     .venv/bin/python benchmarks/attention_decode.py [--shapes smollm2 gemma3] [--formats float32 int4]
-        [--batches 1 4 16] [--contexts 256 2048 8192] [--threads 1 2] [--out results/attention_decode.json]
+        [--batches 1 4 16] [--contexts 256 2048 8192] [--threads 1 2] [--layers 30]
+        [--out results/attention_decode.json]
+
+With --layers N each timed call reads the next of N layers' caches (a decode step's order), so a
+batch whose N caches outgrow the CPU's caches is timed reading from memory; with one layer it is
+read from wherever the last call left it.
 
 Writes benchmarks/results/attention_decode.json (or --out, relative to benchmarks/). On a shared
 machine the timings are noisy: compare levels within one run.
@@ -17,6 +22,7 @@ machine the timings are noisy: compare levels within one run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -72,31 +78,44 @@ def median_ms(fn: Callable[[], Any]) -> float:
     return 1e3 * statistics.median(times)
 
 
-def measure(shape: str, fmt: str, batch: int, context: int, threads: list[int]) -> list[dict[str, Any]]:
-    """One row per thread count: torch's time and each kernel level's, in ms a call."""
+def cycling(calls: list[Callable[[], Any]]) -> Callable[[], Any]:
+    """One call of the list each time, in turn."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
+def measure(shape: str, fmt: str, batch: int, context: int, threads: list[int], layers: int = 1) -> list[dict[str, Any]]:
+    """One row per thread count: torch's time and each kernel level's, in ms a call. With
+    `layers` > 1 the calls go through that many layers' storages in turn, as a decode step does,
+    so that each reads its cache from memory rather than from the CPU's caches."""
     H, KVH, D = SHAPES[shape]
-    storage, tables, lens = filled(fmt, KVH, D, batch, context)
+    filled_layers = [filled(fmt, KVH, D, batch, context) for _ in range(layers)]
+    storage, tables, lens = filled_layers[0]
     q = torch.randn(batch, H, D, generator=torch.Generator().manual_seed(1))
     scale = D ** -0.5
     backend = TorchAttentionBackend(BLOCK, torch.float32)
-    meta = backend.build_metadata(AttentionMetadata(num_decode_tokens=batch, decode_block_tables=tables,
-                                                    decode_context_lens=lens, decode_max_context=context), None)
-    ref = backend.decode(0, q, storage, meta, scale)
-    calls: dict[str, Callable[[], Any]] = {"torch": lambda: backend.decode(0, q, storage, meta, scale)}
+    metas = [backend.build_metadata(AttentionMetadata(num_decode_tokens=batch, decode_block_tables=t,
+                                                      decode_context_lens=n, decode_max_context=context), None)
+             for _, t, n in filled_layers]
+    ref = backend.decode(0, q, storage, metas[0], scale)
+    calls: dict[str, Callable[[], Any]] = {"torch": cycling([
+        lambda s=s, m=m: backend.decode(0, q, s, m, scale) for (s, _, _), m in zip(filled_layers, metas)])}
     for isa in reversed(kernels.supported_isas("paged_attention")):
         module = kernels.load("paged_attention", isa)
         if isa == "portable" or module is None:
             continue
-        kernel, operands = decode_kernel(module, storage), storage.decode_operands(0)
-        error = (kernel(q, *operands, tables, lens, scale, 0) - ref).abs().max().item()
+        kernel = decode_kernel(module, storage)
+        error = (kernel(q, *storage.decode_operands(0), tables, lens, scale, 0) - ref).abs().max().item()
         assert error < 1e-4, f"{isa} differs from torch by {error} ({shape} {fmt} batch {batch} context {context})"
-        calls[isa] = lambda kernel=kernel, operands=operands: kernel(q, *operands, tables, lens, scale, 0)
+        calls[isa] = cycling([lambda ops=s.decode_operands(0), t=t, n=n: kernel(q, *ops, t, n, scale, 0)
+                              for s, t, n in filled_layers])
     rows = []
     before = torch.get_num_threads()
     try:
         for n in threads:
             torch.set_num_threads(n)
             rows.append({"shape": shape, "format": fmt, "batch": batch, "context": context, "threads": n,
+                         "layers": layers,
                          **{f"{name}_ms": round(median_ms(call), 4) for name, call in calls.items()}})
     finally:
         torch.set_num_threads(before)
@@ -117,6 +136,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--contexts", type=int, nargs="+", default=[256, 2048, 8192])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--layers", type=int, default=1,
+                        help="go through this many layers' caches in turn (30: SmolLM2's decode step, read from memory)")
     parser.add_argument("--out", default=os.path.join("results", "attention_decode.json"))
     args = parser.parse_args()
     rows = []
@@ -124,7 +145,7 @@ def main() -> None:
         for fmt in args.formats:
             for batch in args.batches:
                 for context in args.contexts:
-                    for row in measure(shape, fmt, batch, context, args.threads):
+                    for row in measure(shape, fmt, batch, context, args.threads, args.layers):
                         print(report(row), flush=True)
                         rows.append(row)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), args.out)

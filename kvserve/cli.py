@@ -160,6 +160,8 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
     from kvserve.kv.sizing import cache_groups
     from kvserve.models.registry import read_model_config
     cfg = read_model_config(model)
+    if kv_cache_dtype == "auto" and dtype == "auto":  # both resolved as the engine would resolve them here
+        kv_cache_dtype = memory_kv_cache_dtype(model, memory_dtype(model, dtype))
     dtype = memory_dtype(model, dtype)
     fmt = kv_format(kv_cache_dtype, canonical_dtype(dtype))
     check_format(fmt, cfg, block_size)
@@ -212,6 +214,15 @@ def memory_dtype(model: str, dtype: str) -> str:
     from kvserve.config import resolve_dtype
     from kvserve.models.registry import published_dtype
     return resolve_dtype("cpu", kernels.cpu_flags(), published_dtype(model))
+
+
+def memory_kv_cache_dtype(model: str, dtype: str) -> str:
+    """The KV cache format `--kv-cache-dtype auto` stands for beside `--dtype auto` (resolved to
+    `dtype`) on this CPU, from the checkpoint's published dtype: kvserve.config.resolve_kv_cache_dtype."""
+    from kvserve import kernels
+    from kvserve.config import resolve_kv_cache_dtype
+    from kvserve.models.registry import published_dtype
+    return resolve_kv_cache_dtype("cpu", kernels.cpu_flags(), published_dtype(model), dtype)
 
 
 def _cache_layers_report(cfg: Any, fmt: Any, spec: str, block_size: int, num_tokens: int,
@@ -276,7 +287,8 @@ def _attention_kind(heads: int, kv_heads: int) -> str:
 MEMORY_OPTIONS = ("kv_cache_dtype", "dtype", "block_size", "sliding_window", "attention_sinks",
                   "tensor_parallel_size", "cache_layers")
 MEMORY_HELP = {
-    "kv_cache_dtype": "auto (the --dtype), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4",
+    "kv_cache_dtype": "auto (the --dtype; with --dtype auto and packed weights, bfloat16 on a CPU with "
+                      "AVX512-BF16 or AMX), float32, bfloat16, float16, fp8_e4m3, fp8_e5m2, int8, int4",
     "dtype": "the model dtype (what an auto KV cache means); auto: what the engine picks on this CPU for the "
              "checkpoint's published dtype (bfloat16 for a 16-bit checkpoint on a CPU with AVX512-BF16 or AMX, "
              "else float32)",

@@ -170,6 +170,27 @@ def resolve_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, weigh
     return "bfloat16" if sixteen_bit and cpu_flags & BF16_CPU_FLAGS else "float32"
 
 
+def resolve_kv_cache_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, model_dtype: str,
+                           weight_dtype: str = "auto") -> str:
+    """The KV cache's format `--kv-cache-dtype auto` stands for where `--dtype auto` resolved to
+    `model_dtype` (arguments as resolve_dtype's): the model dtype, except for packed matrices on a
+    CPU with bf16 instructions (AVX512-BF16 or AMX-BF16), where the model runs in float32 only
+    because the packed kernels take fp32 activations: there the cache is bfloat16, half the
+    bytes every decode step reads (llama.cpp keeps a 16-bit cache with quantized weights too;
+    what it costs in accuracy is measured in docs/defaults.md). A named --dtype keeps "auto"
+    meaning that dtype.
+
+        resolve_kv_cache_dtype("cpu", frozenset({"amx_bf16"}), "packed", "float32") == "bfloat16"
+        resolve_kv_cache_dtype("cpu", frozenset({"avx2"}), "packed", "float32") == "float32"
+    """
+    if checkpoint not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
+    packed = checkpoint == "packed" and weight_dtype not in MODEL_DTYPES or weight_dtype in ("int8", "int4")
+    if not device.startswith("cuda") and packed and model_dtype == "float32" and cpu_flags & BF16_CPU_FLAGS:
+        return "bfloat16"
+    return model_dtype
+
+
 def resolve_packed_activations(device: str, int8_kernels_built: bool) -> tuple[str, str]:
     """What `--packed-activations auto` stands for, and why (a sentence for the log): int8 on CPU
     where the compiled int8 kernels load (faster than float products at every row count measured, 0.1-0.4% perplexity:
@@ -498,7 +519,8 @@ class CacheConfig:
     memory_fraction: Optional[float] = option(  # of the device's free memory
         None, name="kv_cache_memory_fraction", flags=("--kv-cache-memory",), from_flag=kv_memory_fraction)
     kv_cache_dtype: str = option(
-        "auto", "KV cache format: auto (the model dtype), float32, bfloat16, float16, fp8_e4m3, "
+        "auto", "KV cache format: auto (the model dtype; beside --dtype auto, bfloat16 for packed weights on a "
+                "CPU with bf16 instructions: docs/defaults.md), float32, bfloat16, float16, fp8_e4m3, "
                 "fp8_e5m2, int8 or int4 (see docs/cache.md, memory and the cache's formats)")
     kv_cache_scales: Optional[str] = option(
         None, "fp8: a JSON file of K and V scales per layer and KV head (default: calibrated at start)")

@@ -22,7 +22,8 @@ def test_memory_smollm2_per_token_bytes(capsys, smollm2_path):
         assert r["bytes_per_token"] == expected == 2 * 30 * 3 * 64 * (4 if dtype == "float32" else 2)
         assert r["mha_bytes_per_token"] == expected * 3
         assert r["total_bytes"] == expected * 8192
-    assert main(["memory", "--model", "SmolLM2-135M-Instruct", "--context", "1000", "--batch", "4"]) == 0
+    assert main(["memory", "--model", "SmolLM2-135M-Instruct", "--context", "1000", "--batch", "4",
+                 "--kv-cache-dtype", "float32"]) == 0
     text = capsys.readouterr().out
     assert "46,080 bytes" in text and "184,320,000 bytes" in text and "MHA-equivalent" in text
 

@@ -15,7 +15,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from kvserve.config import (DEFAULT_MODEL, EngineConfig, FieldError, ModelConfig, resolve_dtype,
-                            resolve_packed_activations)
+                            resolve_kv_cache_dtype, resolve_packed_activations)
 from kvserve.core.cache_group import layer_maps
 from kvserve.core.kv_cache_manager import KVCacheManager
 from kvserve.core.observers import Observers
@@ -125,15 +125,20 @@ _logged_choices: set[str] = set()  # what resolve_defaults said, so each choice 
 
 
 def resolve_defaults(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
-    """`config` with its "auto" model dtype and packed activations resolved for this checkpoint,
-    device and CPU (kvserve.config.resolve_dtype, resolve_packed_activations): done once the
+    """`config` with its "auto" model dtype, KV cache format and packed activations resolved for
+    this checkpoint, device and CPU (kvserve.config.resolve_dtype, resolve_kv_cache_dtype,
+    resolve_packed_activations): done once the
     checkpoint is loaded, so everything after (the cache's "auto" format, sizing, logs, the
     server's state) sees what runs, never "auto". A resolved config comes back as it is."""
     if config.is_resolved:
         return config
-    dtype, acts = config.dtype, config.packed_activations
+    dtype, acts, cache = config.dtype, config.packed_activations, config.cache
     if dtype == "auto":
-        dtype = resolve_dtype(config.device, kernels.cpu_flags(), checkpoint_dtype(loaded), config.weight_dtype)
+        checkpoint = checkpoint_dtype(loaded)
+        dtype = resolve_dtype(config.device, kernels.cpu_flags(), checkpoint, config.weight_dtype)
+        if cache.kv_cache_dtype == "auto":
+            cache = dataclasses.replace(cache, kv_cache_dtype=resolve_kv_cache_dtype(
+                config.device, kernels.cpu_flags(), checkpoint, dtype, config.weight_dtype))
     if acts == "auto":
         formats = packed_formats(loaded, config.weight_dtype)
         missing = missing_int8_kernels(formats) if config.device == "cpu" else []
@@ -143,7 +148,8 @@ def resolve_defaults(config: EngineConfig, loaded: LoadedModel) -> EngineConfig:
                       + (f" (missing: {', '.join(missing)})" if missing else ""))
     # dense copies are the auto policy's (kvserve.models.products); a named path takes every row count
     copies = config.dense_copy_memory if config.packed_activations == "auto" and acts == "int8" else 0.0
-    resolved = dataclasses.replace(config, dtype=dtype, packed_activations=acts, dense_copy_memory=copies)
+    resolved = dataclasses.replace(config, dtype=dtype, packed_activations=acts, dense_copy_memory=copies,
+                                   cache=cache)
     _log_once(f"model dtype {resolved.dtype}, KV cache {resolved.kv_cache_dtype}"
               + ("" if config.dtype != "auto" else " (--dtype auto: docs/defaults.md)"))
     return resolved

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvserve import kernels
-from kvserve.config import OptionError, resolve_dtype, resolve_packed_activations
+from kvserve.config import OptionError, resolve_dtype, resolve_kv_cache_dtype, resolve_packed_activations
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.engine.args import engine_config
 from kvserve.engine.llm_engine import resolve_defaults
@@ -67,6 +67,38 @@ def test_dtype_resolution_follows_the_weight_dtype(weight_dtype, checkpoint, exp
 def test_dtype_resolution_refuses_an_unknown_checkpoint_dtype():
     with pytest.raises(ValueError, match="checkpoint dtype must be one of .* got 'int3'"):
         resolve_dtype("cpu", AMX, "int3")
+
+
+@pytest.mark.parametrize("device, flags, checkpoint, weight_dtype, expected", [
+    ("cpu", AMX, "packed", "auto", "bfloat16"),  # fp32 only for the packed kernels: a 16-bit cache
+    ("cpu", AVX512_BF16_ONLY, "packed", "auto", "bfloat16"),
+    ("cpu", AMX_ONLY, "packed", "auto", "bfloat16"),
+    ("cpu", AVX2, "packed", "auto", "float32"),  # no bf16 instructions: the model dtype
+    ("cpu", frozenset(), "packed", "auto", "float32"),
+    ("cpu", AMX, "float32", "auto", "float32"),  # fp32 weights: the model dtype
+    ("cpu", AMX, "bfloat16", "auto", "bfloat16"),
+    ("cpu", AMX, "bfloat16", "int8", "bfloat16"),  # matrices packed at load
+    ("cpu", AVX2, "bfloat16", "int4", "float32"),
+    ("cpu", AMX, "packed", "float32", "float32"),  # every matrix dequantized to fp32: the model's dtype
+    ("cuda", AMX, "packed", "auto", "bfloat16"),
+    ("cuda", frozenset(), "float16", "auto", "float16"),
+])
+def test_kv_cache_dtype_resolution(device, flags, checkpoint, weight_dtype, expected):
+    dtype = resolve_dtype(device, flags, checkpoint, weight_dtype)
+    assert resolve_kv_cache_dtype(device, flags, checkpoint, dtype, weight_dtype) == expected
+
+
+def test_kv_cache_auto_is_resolved_only_with_the_dtype(smollm2):
+    """A named --dtype keeps `auto` meaning that dtype; a named cache format is kept; --exact's
+    cache is fp32."""
+    native = bool(kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"})
+    assert resolve_defaults(engine_config("preloaded"), smollm2).kv_cache_dtype == (
+        "bfloat16" if native else "float32")
+    assert resolve_defaults(engine_config("preloaded", dtype="float32"), smollm2).kv_cache_dtype == "float32"
+    assert resolve_defaults(engine_config("preloaded", kv_cache_dtype="int8"), smollm2).kv_cache_dtype == "int8"
+    assert resolve_defaults(engine_config("preloaded", exact=True), smollm2).kv_cache_dtype == "float32"
+    with pytest.raises(ValueError, match="checkpoint dtype must be one of"):
+        resolve_kv_cache_dtype("cpu", AMX, "int3", "float32")
 
 
 def test_packed_activations_resolution():
@@ -128,6 +160,11 @@ def test_memory_resolves_auto_from_the_published_dtype_and_this_cpu(capsys):
     assert r["bytes_per_token"] == 2 * 32 * 8 * 128 * (2 if native else 4)
     assert main(["memory", "--model", "stories260k", "--json"]) == 0  # published in fp32
     assert json.loads(capsys.readouterr().out)["kv_cache_dtype"] == "float32"
+    assert main(["memory", "--json"]) == 0  # the default GGUF: packed, fp32 activations, the engine's cache
+    r = json.loads(capsys.readouterr().out)
+    assert (r["weights"]["dtype"], r["kv_cache_dtype"]) == ("float32", "bfloat16" if native else "float32")
+    assert main(["memory", "--json", "--dtype", "float32"]) == 0  # a named dtype: auto is that dtype
+    assert json.loads(capsys.readouterr().out)["kv_cache_dtype"] == "float32"
 
 
 def test_a_bf16_checkpoint_resolves_by_the_cpu(tiny_llama):
@@ -144,7 +181,8 @@ def test_a_bf16_checkpoint_resolves_by_the_cpu(tiny_llama):
 def test_the_engine_sees_the_resolved_dtype(smollm2):
     engine = make_engine(smollm2, max_model_len=256)
     assert engine.config.is_resolved and engine.config.dtype == "float32"  # packed: fp32 activations
-    assert engine.config.kv_cache_dtype == "float32" and engine.plan.kv_format.name == "float32"
+    cache = "bfloat16" if kernels.cpu_flags() & {"avx512_bf16", "amx_bf16"} else "float32"  # docs/defaults.md
+    assert engine.config.kv_cache_dtype == cache and engine.plan.kv_format.name == cache
     expected = "int8" if kernels.load("linear_q8") is not None else "float"
     assert engine.config.packed_activations == expected
     down = engine.model.model.layers[0].mlp.down_proj

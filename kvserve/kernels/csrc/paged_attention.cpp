@@ -549,6 +549,151 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
+// How this path reads each format. Keys: a block's rows as fp32 (in place for fp32, else
+// converted into a buffer), scored 16 rows at a time against each of the G query heads. A format
+// may leave a factor per row out of its rows (KeyRows::row_scale, applied to the scores: int8),
+// and bf16 keeps each 32 channels as the 16 even ones, then the 16 odd ones (kKeysSplit: one
+// instruction converts 16 values; the queries are put in the same order, so each dot product
+// has the same terms). Values: a row at a time into registers, bf16 and int8 straight from the
+// cache (no buffer), the other formats from the rows their source converts, with a factor the
+// row's weights take; bf16's in the same split order (kValuesSplit: the sums go back to channel
+// order as they are stored). Converting a block into a buffer and reading it back had cost bf16
+// more than its products (perf: 35% of the values' pass).
+struct KeyRows {
+  Rows r;
+  const float* row_scale;  // a factor per row (rows i..i+15 score with row_scale[i..i+15]), or nullptr: none
+};
+
+template <typename Src, int NV>
+constexpr bool kKeysSplit = false;
+template <int NV>
+constexpr bool kKeysSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
+template <typename Src, int NV>
+constexpr bool kValuesSplit = false;
+template <int NV>
+constexpr bool kValuesSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
+
+template <int NV, typename Src>
+inline KeyRows key_block(const Src& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*) {
+  return {src.rows(blk, kh, n, buf), nullptr};
+}
+
+// 32 bf16 values -> the 16 even ones and the 16 odd ones as fp32, one instruction each (a bf16
+// value is the top half of its fp32 value: the even ones are shifted there, the odd ones are
+// there already with their neighbour's bits masked off).
+inline void split_bf16(const c10::BFloat16* p, __m512& even, __m512& odd) {
+  const __m512i x = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+template <int NV>
+inline KeyRows key_block(const Dense<c10::BFloat16>& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*) {
+  if constexpr (!kKeysSplit<Dense<c10::BFloat16>, NV>) {
+    return {src.rows(blk, kh, n, buf), nullptr};
+  } else {
+    constexpr int64_t D = NV * 16;
+    const c10::BFloat16* base = src.cache + src.s.row(blk, 0, kh) * D;
+    const int64_t stride = src.s.KVH * D;
+    for (int64_t i = 0; i < n; ++i)
+      for (int j = 0; j < NV; j += 2) {
+        __m512 even, odd;
+        split_bf16(base + i * stride + 16 * j, even, odd);
+        _mm512_storeu_ps(buf + i * D + 16 * j, even);
+        _mm512_storeu_ps(buf + i * D + 16 * j + 16, odd);
+      }
+    return {{buf, D}, nullptr};
+  }
+}
+
+template <int NV>
+inline KeyRows key_block(const Int8& src, int64_t blk, int64_t kh, int64_t n, float* buf, float* row_scale) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t i = 0; i < n; ++i) {
+    const int8_t* r = src.q + src.s.row(blk, i, kh) * D;
+    for (int j = 0; j < NV; ++j)
+      _mm512_storeu_ps(buf + i * D + 16 * j, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * j)))));
+    row_scale[i] = src.scale[src.s.row(blk, i, kh)];
+  }
+  return {{buf, D}, row_scale};
+}
+
+// The blocks holding [begin, L) in turn, each asked for one block ahead: body(blk, t0, i0, n) for
+// its rows i0 <= i < n (position t0 + i).
+template <typename Src, typename BlockFn>
+inline void each_block(const Src& src, const int64_t* table, int64_t begin, int64_t L, int64_t BS, int64_t kh,
+                       BlockFn&& body) {
+  for (int64_t t0 = begin / BS * BS; t0 < L; t0 += BS) {
+    if (t0 + BS < L) src.prefetch(table[t0 / BS + 1], kh, std::min(BS, L - t0 - BS));
+    body(table[t0 / BS], t0, std::max<int64_t>(0, begin - t0), std::min(BS, L - t0));
+  }
+}
+
+// Calls row(t - begin, vv, f) for each position t in [begin, L): vv its V row as NV vectors, f a
+// factor its weights take. Generic: the block's rows from the source, loaded.
+template <int NV, typename Src, typename RowFn>
+inline void each_value_row(const Src& src, const int64_t* table, int64_t begin, int64_t L, int64_t BS, int64_t kh,
+                           float* buf, RowFn&& row) {
+  each_block(src, table, begin, L, BS, kh, [&](int64_t blk, int64_t t0, int64_t i0, int64_t n) {
+    const Rows r = src.rows(blk, kh, n, buf);
+    for (int64_t i = i0; i < n; ++i) {
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(r.ptr + i * r.stride + 16 * j);
+      row(t0 + i - begin, vv, 1.f);
+    }
+  });
+}
+
+template <int NV, typename RowFn>
+inline void each_value_row(const Dense<c10::BFloat16>& src, const int64_t* table, int64_t begin, int64_t L,
+                           int64_t BS, int64_t kh, float* buf, RowFn&& row) {
+  if constexpr (!kValuesSplit<Dense<c10::BFloat16>, NV>) {
+    each_value_row<NV, Dense<c10::BFloat16>>(src, table, begin, L, BS, kh, buf, row);
+  } else {
+    constexpr int64_t D = NV * 16;
+    const int64_t stride = src.s.KVH * D;
+    each_block(src, table, begin, L, BS, kh, [&](int64_t blk, int64_t t0, int64_t i0, int64_t n) {
+      const c10::BFloat16* base = src.cache + src.s.row(blk, 0, kh) * D;
+      for (int64_t i = i0; i < n; ++i) {
+        __m512 vv[NV];
+        for (int j = 0; j < NV; j += 2) split_bf16(base + i * stride + 16 * j, vv[j], vv[j + 1]);
+        row(t0 + i - begin, vv, 1.f);
+      }
+    });
+  }
+}
+
+template <int NV, typename RowFn>
+inline void each_value_row(const Int8& src, const int64_t* table, int64_t begin, int64_t L, int64_t BS, int64_t kh,
+                           float*, RowFn&& row) {
+  constexpr int64_t D = NV * 16;
+  each_block(src, table, begin, L, BS, kh, [&](int64_t blk, int64_t t0, int64_t i0, int64_t n) {
+    for (int64_t i = i0; i < n; ++i) {
+      const int8_t* r = src.q + src.s.row(blk, i, kh) * D;
+      __m512 vv[NV];
+      for (int j = 0; j < NV; ++j)
+        vv[j] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16 * j))));
+      row(t0 + i - begin, vv, src.scale[src.s.row(blk, i, kh)]);
+    }
+  });
+}
+
+// The G query heads of K/V head kh as read against keys stored split (kKeysSplit): each 32
+// channels as the 16 even ones, then the 16 odd ones.
+inline void split_queries(float* qf, int64_t G, int64_t D) {
+  float tmp[32];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t c = 0; c < D; c += 32) {
+      float* x = qf + g * D + c;
+      for (int i = 0; i < 16; ++i) {
+        tmp[i] = x[2 * i];
+        tmp[16 + i] = x[2 * i + 1];
+      }
+      std::copy(tmp, tmp + 32, x);
+    }
+}
+
 // Scores of 16 consecutive tokens (rows of one block) against query head qg: one vector.
 template <int NV>
 inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
@@ -567,23 +712,26 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
   return hsum16(acc);
 }
 
-// The scores of a part's positions against the G query heads of K/V head kh (qf [G, D], scaled):
-// s[g * Lp + t] for position span.begin + t, 16 rows of a block at a time.
+// The scores of a part's positions against the G query heads of K/V head kh (qf [G, D], scaled,
+// split where the keys are): s[g * Lp + t] for position span.begin + t, 16 rows of a block at a time
+// (row_scale: room for BS + 16 factors).
 template <int NV, typename KSrc, typename VSrc>
 void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS,
-                 int64_t kh, int64_t G, int64_t Lp, float* buf, float* s) {
+                 int64_t kh, int64_t G, int64_t Lp, float* buf, float* row_scale, float* s) {
   constexpr int64_t D = NV * 16;
   for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
     const int64_t n = std::min(BS, span.end - t0);
     if (t0 + BS < span.end) ks.prefetch(table[t0 / BS + 1], kh, std::min(BS, span.end - t0 - BS));
     vs.prefetch(table[t0 / BS], kh, n);  // for part_values, which follows
-    const Rows r = ks.rows(table[t0 / BS], kh, n, buf);
+    const KeyRows k = key_block<NV>(ks, table[t0 / BS], kh, n, buf, row_scale);
     for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
-      const Rows rows16{r.ptr + i0 * r.stride, r.stride};
       const int64_t m = std::min<int64_t>(16, n - i0);
-      for (int64_t g = 0; g < G; ++g)
-        _mm512_mask_storeu_ps(s + g * Lp + t0 + i0 - span.begin, static_cast<__mmask16>((1u << m) - 1),
-                              scores16<NV>(qf + g * D, rows16, m));
+      const Rows rows16{k.r.ptr + i0 * k.r.stride, k.r.stride};
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 sc = scores16<NV>(qf + g * D, rows16, m);
+        if (k.row_scale != nullptr) sc = _mm512_mul_ps(sc, _mm512_loadu_ps(k.row_scale + i0));
+        _mm512_mask_storeu_ps(s + g * Lp + t0 + i0 - span.begin, static_cast<__mmask16>((1u << m) - 1), sc);
+      }
     }
   }
 }
@@ -604,24 +752,59 @@ inline std::pair<float, float> part_softmax(float* s, int64_t L, int64_t Lp) {
   return {mx, _mm512_reduce_add_ps(sum)};
 }
 
-// acc [G, D] = sum over a part's positions t of p[g * Lp + t] * v_t, for the G query heads of
-// K/V head kh (G <= 8 on this path), the outputs in registers while the part's rows are added.
-template <int NV, typename VSrc>
-void part_values(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
-                 int64_t G, int64_t Lp, float* buf, float* acc) {
-  __m512 o[8][NV];
-  for (int64_t g = 0; g < G; ++g)
+// acc [GC, D] = sum over a part's positions t of p[g * Lp + t] * v_t for GC query heads of K/V
+// head kh from g0 on, their sums held in registers (GC * NV of them, a compile-time count: a
+// runtime one left them on the stack) while the part's rows are added. Sums of split rows
+// (kValuesSplit) are put back in channel order as they are stored.
+template <int NV, int GC, typename VSrc>
+void part_values_heads(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
+                       int64_t Lp, float* buf, float* acc) {
+  __m512 o[GC][NV];
+  for (int g = 0; g < GC; ++g)
     for (int j = 0; j < NV; ++j) o[g][j] = _mm512_setzero_ps();
-  for_each_row(vs, table, span.begin, span.end, BS, kh, buf, [&](int64_t t, const float* v) {
-    __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(v + 16 * j);
-    for (int64_t g = 0; g < G; ++g) {
-      const __m512 w = _mm512_set1_ps(p[g * Lp + t]);
+  each_value_row<NV>(vs, table, span.begin, span.end, BS, kh, buf, [&](int64_t t, const __m512 (&vv)[NV], float f) {
+    for (int g = 0; g < GC; ++g) {
+      const __m512 w = _mm512_set1_ps(p[g * Lp + t] * f);
       for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
     }
   });
-  for (int64_t g = 0; g < G; ++g)
-    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g * NV + j) * 16, o[g][j]);
+  if constexpr (kValuesSplit<VSrc, NV>) {
+    // o[g][j] holds channels 16j + 2i (j even) or 16(j - 1) + 2i + 1 (j odd) in lane i
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < NV; j += 2) {
+        _mm512_storeu_ps(acc + (g * NV + j) * 16, _mm512_permutex2var_ps(o[g][j], lo, o[g][j + 1]));
+        _mm512_storeu_ps(acc + (g * NV + j + 1) * 16, _mm512_permutex2var_ps(o[g][j], hi, o[g][j + 1]));
+      }
+  } else {
+    for (int g = 0; g < GC; ++g)
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (g * NV + j) * 16, o[g][j]);
+  }
+}
+
+// The most query heads whose sums part_values holds in registers at once: 24 of the 32 vectors.
+template <int NV>
+constexpr int kHeadsHeld = NV >= 16 ? 1 : std::min(4, 24 / NV);
+
+// acc [G, D] for the G query heads of K/V head kh: as many heads a pass over the part's rows as
+// fit in registers (a pass reads the rows again from L1/L2, and only where G * D is large).
+template <int NV, typename VSrc>
+void part_values(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
+                 int64_t G, int64_t Lp, float* buf, float* acc) {
+  constexpr int64_t D = NV * 16;
+  for (int64_t g0 = 0; g0 < G;) {
+    const int64_t gc = std::min<int64_t>(kHeadsHeld<NV>, G - g0);
+    const float* pg = p + g0 * Lp;
+    float* ag = acc + g0 * D;
+    switch (gc) {
+      case 1: part_values_heads<NV, 1>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
+      case 2: part_values_heads<NV, std::min(2, kHeadsHeld<NV>)>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
+      case 3: part_values_heads<NV, std::min(3, kHeadsHeld<NV>)>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
+      default: part_values_heads<NV, kHeadsHeld<NV>>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
+    }
+    g0 += gc;
+  }
 }
 
 template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
@@ -632,7 +815,7 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
   const int64_t G = H / KVH, P = parts_per_sequence(B, longest_attended(lens, B, window));
   PartStates st(B, P, H, D);
   at::parallel_for(0, B * P * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), buf(BS * D), scores;
+    std::vector<float> qf(G * D), buf(BS * D), row_scale(BS + 16, 0.f), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / (P * KVH), part = idx / KVH % P, kh = idx % KVH;
       const PartSpan span = part_span(window_begin(lens[b], window), lens[b], BS, P, part);
@@ -641,7 +824,8 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
       const int64_t L = span.end - span.begin, Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
-      part_scores<NV>(qf.data(), ks, vs, table, span, BS, kh, G, Lp, buf.data(), scores.data());
+      if constexpr (kKeysSplit<KSrc, NV>) split_queries(qf.data(), G, D);
+      part_scores<NV>(qf.data(), ks, vs, table, span, BS, kh, G, Lp, buf.data(), row_scale.data(), scores.data());
       const int64_t at = st.at(b, part, kh * G);  // the G heads of kh are consecutive
       for (int64_t g = 0; g < G; ++g)
         std::tie(st.m[at + g], st.l[at + g]) = part_softmax(scores.data() + g * Lp, L, Lp);
