@@ -78,7 +78,7 @@ def measure(name: str, path: str, text: str, context: int) -> dict:
               "relative_change": r.delta_perplexity, "mean_kl_exact_default": r.mean_kl,
               "top1_agreement": r.top1_agreement, "greedy_tokens_agreed": agreed, "greedy_tokens_each": 32}
     print(f"{name}: {r.num_tokens} tokens, defaults ({default.config.dtype}, {default.config.packed_activations} "
-          f"activations) perplexity {r.perplexity:.4f} vs exact {r.reference_perplexity:.4f} "
+          f"activations, {default.plan.kv_format.name} KV cache) perplexity {r.perplexity:.4f} vs exact {r.reference_perplexity:.4f} "
           f"({100 * r.delta_perplexity:+.2f}%), mean KL {r.mean_kl:.5f}, top-1 agreement {100 * r.top1_agreement:.1f}%; "
           f"greedy tokens agreed before parting (of 32): {agreed}")
     return result

@@ -221,7 +221,9 @@ class DenseKVStorage(BlockTensorStorage):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
-        if self.ops is not None and k.dtype == v.dtype == self.dtype and k.stride(1) == v.stride(1) == k.shape[2]:
+        rounds = self.dtype == torch.bfloat16 and k.dtype == torch.float32  # the kernel rounds as .to() does
+        if (self.ops is not None and k.dtype == v.dtype and (k.dtype == self.dtype or rounds)
+                and k.stride(1) == v.stride(1) == k.shape[2]):
             self.ops.store_kv(t["k"], t["v"], plan, k, v)
             return
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))

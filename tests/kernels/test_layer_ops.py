@@ -122,3 +122,23 @@ def test_store_kv(ops):
     assert kc.view(-1, 3, 64).abs().sum(dim=(1, 2)).count_nonzero() == 3
     with pytest.raises(RuntimeError, match="outside the cache"):
         ops.store_kv(kc, vc, torch.tensor([128, 0, 1]), k, v)
+
+
+def test_store_kv_rounds_fp32_into_a_bf16_cache_as_torch_does(ops):
+    """fp32 rows into a bf16 cache: rounded to nearest even as .to(torch.bfloat16) rounds, ties
+    (a value halfway between two bf16 values, either way), infinities and NaN included."""
+    kc, vc = torch.zeros(8, 16, 3, 64, dtype=torch.bfloat16), torch.zeros(8, 16, 3, 64, dtype=torch.bfloat16)
+    k, v = torch.randn(5, 3, 64) * 100, torch.randn(5, 3, 64)
+    ties = torch.tensor([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0x00008000]).to(torch.int32)  # bit patterns
+    k.view(-1)[:5] = ties.view(torch.float32)  # 1 + 2^-8 (down to even), 1 + 3 * 2^-8 (up), -1 - 2^-8, max, subnormal
+    k.view(-1)[5:8] = torch.tensor([float("inf"), -float("inf"), float("nan")])
+    slots = torch.tensor([3, 40, 41, 100, 127])
+    ops.store_kv(kc, vc, slots, k, v)
+    got, want = kc.view(-1, 3, 64)[slots], k.to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
+    assert got.isnan().equal(want.isnan())
+    assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match="of the cache's dtype"):  # fp16 is not rounded into bf16
+        ops.store_kv(kc, vc, slots, k.half(), v.half())
+    with pytest.raises(RuntimeError, match="of the cache's dtype"):  # nor bf16 into fp32
+        ops.store_kv(torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64), slots, k.bfloat16(), v.bfloat16())

@@ -11,7 +11,8 @@
 //   silu_mul(g [T, I], u [T, I])          silu(g) * u
 //   silu_mul_halves(gu [T, 2 I])          silu_mul of its two halves
 //   store_kv(kc, vc [slots..., KVH, D], slots [T], k, v [T, KVH, D])
-//                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write)
+//                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write;
+//                                         fp32 k, v into a bf16 cache are rounded as .to(bf16))
 //
 // Each rounds where the torch expression it replaces rounds: arithmetic on scalar_t (c10's
 // BFloat16 / Half compute in fp32 and round the result, as PyTorch's CPU kernels do), so fp32
@@ -273,16 +274,41 @@ at::Tensor silu_mul_halves(at::Tensor gu) {
   return silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
 }
 
+// fp32 -> bf16 bits, to nearest even, as c10::BFloat16(float) rounds (a NaN is 0x7FC0): integer
+// arithmetic the compiler vectorizes.
+inline uint16_t bf16_bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
+  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
+}
+
+// One token's K or V row (KVH * D values) into its slot: copied, or rounded from fp32 to a bf16
+// cache (what k.to(torch.bfloat16) and an index_put_ did in two calls a tensor).
+template <bool kRound>
+inline void store_row(uint8_t* dst, const uint8_t* src, int64_t n, int64_t bytes) {
+  if constexpr (kRound) {
+    const float* __restrict__ x = reinterpret_cast<const float*>(src);
+    uint16_t* __restrict__ y = reinterpret_cast<uint16_t*>(dst);
+    for (int64_t i = 0; i < n; ++i) y[i] = bf16_bits(x[i]);
+  } else {
+    std::memcpy(dst, src, bytes);
+  }
+}
+
 void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
-  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3, "contiguous caches alike");
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3
+              && kc.scalar_type() == vc.scalar_type(), "contiguous caches alike");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "int64 slots [T]");
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
+  const bool round = kc.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kFloat;
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->stride(2) == 1 &&
-                x->stride(1) == D && x->scalar_type() == kc.scalar_type() && x->device().is_cpu(),
-                "k, v [T, KVH, D] of the cache's dtype, each token's heads contiguous");
+                x->stride(1) == D && x->device().is_cpu() && x->scalar_type() == k.scalar_type() &&
+                (x->scalar_type() == kc.scalar_type() || round),
+                "k, v [T, KVH, D] of the cache's dtype (or fp32 into a bf16 cache), each token's heads contiguous");
   const int64_t* sp = slots.data_ptr<int64_t>();
-  const int64_t row = KVH * D * kc.element_size();
+  const int64_t n = KVH * D, row = n * kc.element_size();
   auto* kd = static_cast<uint8_t*>(kc.data_ptr());
   auto* vd = static_cast<uint8_t*>(vc.data_ptr());
   const auto* ks = static_cast<const uint8_t*>(k.data_ptr());
@@ -299,8 +325,13 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
       __builtin_prefetch(vd + sp[t] * row + at, 1);
     }
   for (int64_t t = 0; t < T; ++t) {
-    std::memcpy(kd + sp[t] * row, ks + t * lk, row);
-    std::memcpy(vd + sp[t] * row, vs + t * lv, row);
+    if (round) {
+      store_row<true>(kd + sp[t] * row, ks + t * lk, n, row);
+      store_row<true>(vd + sp[t] * row, vs + t * lv, n, row);
+    } else {
+      store_row<false>(kd + sp[t] * row, ks + t * lk, n, row);
+      store_row<false>(vd + sp[t] * row, vs + t * lv, n, row);
+    }
   }
 }
 
@@ -322,5 +353,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "q, k rotated and v from a fused q|k|v product (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("silu_mul_halves", &silu_mul_halves, "silu(gate) * up from a fused gate|up product (CPU)");
-  m.def("store_kv", &store_kv, "k, v rows into their cache slots (CPU)");
+  m.def("store_kv", &store_kv, "k, v rows into their cache slots, fp32 rounded into a bf16 cache (CPU)");
 }
