@@ -107,7 +107,7 @@ def measure(shape: str, fmt: str, batch: int, context: int, threads: list[int], 
         kernel = decode_kernel(module, storage)
         error = (kernel(q, *storage.decode_operands(0), tables, lens, scale, 0) - ref).abs().max().item()
         assert error < 1e-4, f"{isa} differs from torch by {error} ({shape} {fmt} batch {batch} context {context})"
-        calls[isa] = cycling([lambda ops=s.decode_operands(0), t=t, n=n: kernel(q, *ops, t, n, scale, 0)
+        calls[isa] = cycling([lambda kernel=kernel, ops=s.decode_operands(0), t=t, n=n: kernel(q, *ops, t, n, scale, 0)
                               for s, t, n in filled_layers])
     rows = []
     before = torch.get_num_threads()

@@ -53,14 +53,19 @@ def load_history(path: Path) -> dict[str, Any]:
 def latest_runs(directory: Path) -> dict[str, Run]:
     """Each machine kind's newest figures, by kind (sorted): {"amd-epyc-zen3-avx2": {...}, ...}.
     A run may measure only some parts (`--only throughput`), so each part comes from the newest
-    run that has it: the runs merged oldest first, a newer run's parts replacing an older's."""
+    run that has it: the runs merged oldest first, a newer run's parts replacing an older's. The
+    contenders' settings are merged the same way, by name, so a part kept from an older run keeps
+    the settings its contenders ran with."""
     latest: dict[str, Run] = {}
     for path in sorted(directory.glob("*.json")):
         runs = sorted(load_history(path)["runs"], key=lambda r: r.get("date", ""))
         if runs:
             merged: Run = {}
             for run in runs:
+                contenders = {**merged.get("contenders", {}), **run.get("contenders", {})}
                 merged.update(run)
+                if contenders:
+                    merged["contenders"] = contenders
             latest[path.stem] = merged
     return latest
 

@@ -39,9 +39,14 @@ def test_runs_are_appended_per_machine_kind(tmp_path):
 def test_each_part_comes_from_the_newest_run_that_has_it(tmp_path):
     append_run(tmp_path, "intel-xeon-amx", peers_run("2026-01-01T00:00:00Z", 150.0))
     append_run(tmp_path, "intel-xeon-amx", {"date": "2026-01-02T00:00:00Z", "throughput": {"x": 1.0}})
+    append_run(tmp_path, "intel-xeon-amx", {"date": "2026-01-03T00:00:00Z", "batch1": {"y": 2.0},
+                                            "contenders": {"kvserve int8 cache": ["--kv-cache-dtype", "int8"]}})
     latest = latest_runs(tmp_path)["intel-xeon-amx"]
-    assert latest["batch1"]["medians"]["kvserve defaults"]["decode"] == 150.0  # kept from the older run
-    assert latest["throughput"] == {"x": 1.0} and latest["date"] == "2026-01-02T00:00:00Z"
+    assert latest["batch1"] == {"y": 2.0}
+    assert latest["throughput"] == {"x": 1.0} and latest["date"] == "2026-01-03T00:00:00Z"  # kept from the older run
+    # the settings of every contender of the parts kept, not only the newest run's
+    assert latest["contenders"] == {"kvserve defaults": [], "kvserve best": ["--packed-activations", "int8"],
+                                    "kvserve int8 cache": ["--kv-cache-dtype", "int8"]}
 
 
 def test_a_history_of_another_kind_is_refused(tmp_path):
