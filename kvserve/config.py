@@ -173,19 +173,19 @@ def resolve_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, weigh
 def resolve_kv_cache_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, model_dtype: str,
                            weight_dtype: str = "auto") -> str:
     """The KV cache's format `--kv-cache-dtype auto` stands for where `--dtype auto` resolved to
-    `model_dtype` (arguments as resolve_dtype's): the model dtype, except for packed matrices on a
-    CPU with bf16 instructions (AVX512-BF16 or AMX-BF16), where the model runs in float32 only
-    because the packed kernels take fp32 activations: there the cache is bfloat16, half the
-    bytes every decode step reads (llama.cpp keeps a 16-bit cache with quantized weights too;
-    what it costs in accuracy is measured in docs/defaults.md). A named --dtype keeps "auto"
-    meaning that dtype.
+    `model_dtype` (arguments as resolve_dtype's): the model dtype, except for a float32 model with
+    packed matrices (a quantized GGUF, or float ones packed by --weight-dtype int8/int4) on a CPU
+    with bf16 instructions (AVX512-BF16 or AMX-BF16): its fp32 is what the packed kernels take, not
+    what the cache needs, so there the cache is bfloat16, half the bytes every decode step reads
+    (llama.cpp keeps a 16-bit cache with quantized weights too; what it costs in accuracy is
+    measured in docs/defaults.md). A named --dtype keeps "auto" meaning that dtype.
 
         resolve_kv_cache_dtype("cpu", frozenset({"amx_bf16"}), "packed", "float32") == "bfloat16"
         resolve_kv_cache_dtype("cpu", frozenset({"avx2"}), "packed", "float32") == "float32"
     """
     if checkpoint not in CHECKPOINT_DTYPES:
         raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
-    packed = checkpoint == "packed" and weight_dtype not in MODEL_DTYPES or weight_dtype in ("int8", "int4")
+    packed = (checkpoint == "packed" and weight_dtype not in MODEL_DTYPES) or weight_dtype in ("int8", "int4")
     if not device.startswith("cuda") and packed and model_dtype == "float32" and cpu_flags & BF16_CPU_FLAGS:
         return "bfloat16"
     return model_dtype

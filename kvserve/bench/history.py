@@ -54,8 +54,9 @@ def latest_runs(directory: Path) -> dict[str, Run]:
     """Each machine kind's newest figures, by kind (sorted): {"amd-epyc-zen3-avx2": {...}, ...}.
     A run may measure only some parts (`--only throughput`), so each part comes from the newest
     run that has it: the runs merged oldest first, a newer run's parts replacing an older's. The
-    contenders' settings are merged the same way, by name, so a part kept from an older run keeps
-    the settings its contenders ran with."""
+    contenders' settings are merged by name, each from the newest run that names it, so a part
+    kept from an older run still has its contenders' settings (a contender whose flags changed
+    under the same name shows the newer flags)."""
     latest: dict[str, Run] = {}
     for path in sorted(directory.glob("*.json")):
         runs = sorted(load_history(path)["runs"], key=lambda r: r.get("date", ""))

@@ -119,3 +119,42 @@ def test_head_dim_256_over_a_batch_with_windows(module, fmt):
     lens = torch.tensor([3000, 1000, 17, 1])  # one table read to different lengths
     q = torch.randn(4, H, D, generator=torch.Generator().manual_seed(4))
     assert max(kernel_errors(module, q, storage, table.expand(4, -1).contiguous(), lens, 512)) < 1e-5
+
+
+HEADS = {"g1": (2, 2), "g2": (4, 2), "g5": (10, 2), "g8": (8, 1)}  # (H, KVH): query heads per K/V head 1, 2, 5, 8
+BLOCK_SIZES = [1, 8, 32, 100]
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("heads", list(HEADS))
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+def test_heads_per_kv_head_head_dims_and_block_sizes(module, fmt, heads, d):
+    """The value sums held in registers a few query heads at a time (1 to 8 a K/V head, so one
+    pass or several), bf16 rows split into even and odd channels (head dims of 32 and more; 16
+    is read whole), int8's scales applied to scores and weights, over blocks of 1 to 100 tokens,
+    with and without a window that starts inside a block."""
+    H, KVH = HEADS[heads]
+    bs = BLOCK_SIZES[(list(HEADS).index(heads) + d // 16) % len(BLOCK_SIZES)]
+    g = torch.Generator().manual_seed(d + H)
+    lens = torch.tensor([1, 37, 150])
+    per = -(-int(lens.max()) // bs)
+    kind = "dense" if fmt != "int8" else "int8"
+    storage = make_storage(kind, fmt, [0], 3 * per + 1, bs, KVH, d, torch.float32, "cpu")
+    tables = torch.randperm(3 * per, generator=g).view(3, per)
+    for b, n in enumerate(lens.tolist()):
+        storage.begin_step()
+        slots = (tables[b].unsqueeze(-1) * bs + torch.arange(bs)).reshape(-1)[:n]
+        storage.write(0, torch.randn(n, KVH, d, generator=g) * 2, torch.randn(n, KVH, d, generator=g),
+                      storage.plan_writes(slots))
+    q = torch.randn(3, H, d, generator=g)
+    kernel = decode_kernel(module, storage)
+    for window in (0, 23):
+        backend = TorchAttentionBackend(bs, torch.float32)
+        meta = backend.build_metadata(AttentionMetadata(
+            num_decode_tokens=3, decode_block_tables=tables, decode_context_lens=lens,
+            decode_max_context=int(lens.max()), sliding_window=window or None), None)
+        ref = backend.decode(0, q, storage, meta, d ** -0.5)
+        for threads in (1, 2):
+            with torch_threads(threads):
+                out = kernel(q, *storage.decode_operands(0), tables, lens, d ** -0.5, window)
+            assert (out - ref).abs().max().item() < 1e-5, (bs, window, threads)
