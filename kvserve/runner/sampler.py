@@ -11,10 +11,12 @@ step drawn again.
 from __future__ import annotations
 
 import copy
-from typing import Any, Optional, Sequence
+import functools
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from kvserve import kernels
 from kvserve.core.outputs import ScheduledSequence
 from kvserve.core.sampling_params import SamplingParams
 
@@ -302,12 +304,28 @@ def is_plain_greedy(params: SamplingParams) -> bool:
             and params.logprobs is None)
 
 
+@functools.lru_cache(maxsize=1)
+def compiled_argmax() -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    """layer_ops.argmax_rows where this CPU's build has it (AVX-512), else None."""
+    ops = kernels.load("layer_ops")
+    return getattr(ops, "argmax_rows", None) if ops is not None else None
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, the first of tied maxima and a NaN first, as torch's max(-1).indices
+    (which takes 0.8 ms on 64 x 49,152 fp32 logits, 2 threads, where argmax takes 2.0: its
+    reduction is not vectorized). On CPU the AVX-512 build's kernel takes 0.23 ms (and 4 us for
+    one row against 23)."""
+    fast = compiled_argmax() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+    if fast is not None and logits.dim() == 2 and logits.shape[-1] > 0 and logits.stride(-1) == 1:
+        return fast(logits)
+    return logits.max(-1).indices
+
+
 def greedy_tokens(logits: torch.Tensor, seqs: Sequence[ScheduledSequence]) -> list[list[int]]:
     """Each row's argmax (the first of tied maxima, as Sampler.general takes it), num_samples
-    times: a plain greedy batch in one tensor op and one list, whatever its size. torch's
-    max(-1) gives argmax's indices (the first of tied maxima, NaN first) in 0.8 ms where argmax
-    takes 2.0 (64 x 49,152 fp32 logits, 2 threads): argmax's reduction is not vectorized."""
-    ids = logits.max(-1).indices.tolist()
+    times: a plain greedy batch in one call and one list, whatever its size."""
+    ids = argmax_rows(logits).tolist()
     return [[t] * s.num_samples for t, s in zip(ids, seqs)]
 
 

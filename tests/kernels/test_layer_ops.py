@@ -142,3 +142,29 @@ def test_store_kv_rounds_fp32_into_a_bf16_cache_as_torch_does(ops):
         ops.store_kv(kc, vc, slots, k.half(), v.half())
     with pytest.raises(RuntimeError, match="of the cache's dtype"):  # nor bf16 into fp32
         ops.store_kv(torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64), slots, k.bfloat16(), v.bfloat16())
+
+
+def test_argmax_rows_is_torchs_max_indices(ops):
+    """The AVX-512 build's argmax_rows equals x.max(-1).indices: the first of tied maxima (within a
+    lane, across lanes and in the tail past the last 16), a NaN the largest (its first), -inf
+    rows, rows shorter than 16 and rows of a wider tensor; the other builds do not define it."""
+    if ops.isa() != "avx512":
+        assert not hasattr(ops, "argmax_rows")
+        return
+    g = torch.Generator().manual_seed(0)
+    for V in (1, 5, 16, 17, 31, 49152, 49155):
+        x = torch.randn(9, V, generator=g)
+        x[1] = 3.0  # every value tied
+        x[2, V // 2:] = 7.0  # ties from the middle on
+        x[3, -1] = 99.0  # the largest last (in the tail when V % 16)
+        x[4, V // 3] = float("nan")
+        x[4, -1] = float("nan")  # two NaNs: the first
+        x[5] = float("-inf")
+        x[6, 0] = float("nan")
+        x[7, (V - 1) // 16 * 16:] = 50.0  # ties that start at the last whole vector or the tail
+        for rows in (x, torch.randn(9, V + 7, generator=g)[:, :V]):  # contiguous rows, and rows of a wider tensor
+            assert torch.equal(ops.argmax_rows(rows), rows.max(-1).indices), V
+    with pytest.raises(RuntimeError, match="fp32"):
+        ops.argmax_rows(torch.randn(2, 8).double())
+    with pytest.raises(RuntimeError, match="V > 0"):
+        ops.argmax_rows(torch.empty(2, 0))

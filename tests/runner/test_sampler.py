@@ -152,3 +152,18 @@ def test_a_temperature_that_underflows_is_greedy(temperature):
     tokens, _ = Sampler(0)(logits, [seq("a", params, n=4, prompt=[1, 4])])
     assert tokens == [[Sampler(0)(logits, [seq("b", SamplingParams(temperature=0, repetition_penalty=9.97),
                                               prompt=[1, 4])])[0][0][0]] * 4]
+
+
+def test_greedy_argmax_equals_torchs_on_every_path(monkeypatch):
+    """argmax_rows (the compiled kernel where the build has it) and torch's max(-1) give the same
+    ids: random rows, ties, NaN, a non-contiguous batch; with the kernel turned off too."""
+    from kvserve.runner import sampler
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 1000, generator=g)
+    x[1] = 2.0
+    x[2, 500] = float("nan")
+    for rows in (x, x[::2], torch.randn(3, 1000, 2, generator=g)[..., 0], x.double()):
+        assert torch.equal(sampler.argmax_rows(rows), rows.max(-1).indices)
+    expected = x.max(-1).indices
+    monkeypatch.setattr(sampler, "compiled_argmax", lambda: None)
+    assert torch.equal(sampler.argmax_rows(x), expected)

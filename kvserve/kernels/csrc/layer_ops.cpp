@@ -13,6 +13,7 @@
 //   store_kv(kc, vc [slots..., KVH, D], slots [T], k, v [T, KVH, D])
 //                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write;
 //                                         fp32 k, v into a bf16 cache are rounded as .to(bf16))
+//   argmax_rows(x [R, V])                 x.max(-1).indices   (fp32; the AVX-512 build only)
 //
 // Each rounds where the torch expression it replaces rounds: arithmetic on scalar_t (c10's
 // BFloat16 / Half compute in fp32 and round the result, as PyTorch's CPU kernels do), so fp32
@@ -335,6 +336,60 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
   }
 }
 
+#if defined(__AVX512F__)
+// The index of row x [V]'s largest value, the first of equal ones; a NaN counts as the largest (the
+// first NaN's index), as torch's max(-1).indices. 16 lanes keep their own largest and its index
+// (a later equal value does not replace it), then the lanes are reduced to the first index of the
+// largest; the NaN check rides along, and a row with one is scanned again for its first NaN.
+int64_t row_argmax(const float* x, int64_t V) {
+  int64_t i = 0, best_i = 0;
+  float best = x[0];
+  if (V >= 16) {
+    __m512 top = _mm512_loadu_ps(x);
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = at;
+    __mmask16 nan = _mm512_cmp_ps_mask(top, top, _CMP_UNORD_Q);
+    for (i = 16; i + 16 <= V; i += 16) {
+      idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16));
+      const __m512 v = _mm512_loadu_ps(x + i);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      const __mmask16 up = _mm512_cmp_ps_mask(v, top, _CMP_GT_OQ);
+      top = _mm512_mask_mov_ps(top, up, v);
+      at = _mm512_mask_mov_epi32(at, up, idx);
+    }
+    if (nan) {
+      for (int64_t j = 0; j < V; ++j)
+        if (std::isnan(x[j])) return j;
+    }
+    best = _mm512_reduce_max_ps(top);
+    const __mmask16 tops = _mm512_cmp_ps_mask(top, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    best_i = _mm512_mask_reduce_min_epi32(tops, at);
+  } else {
+    i = 1;
+    if (std::isnan(best)) return 0;
+  }
+  for (; i < V; ++i) {  // the last V % 16 (all of a short row): later than every index above
+    if (std::isnan(x[i])) return i;
+    if (x[i] > best) best = x[i], best_i = i;
+  }
+  return best_i;
+}
+
+// Each row's argmax: x [R, V] fp32 (rows contiguous) -> int64 [R]; the AVX-512 build only (the
+// others leave torch's max(-1), which is faster than a scalar loop).
+at::Tensor argmax_rows(at::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) > 0 &&
+              x.stride(1) == 1, "x: fp32 [R, V] on CPU, V > 0, each row contiguous");
+  const int64_t R = x.size(0), V = x.size(1), ld = x.stride(0);
+  auto out = at::empty({R}, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * ld, V);
+  });
+  return out;
+}
+#endif
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -353,5 +408,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_qkv", &rope_qkv, "q, k rotated and v from a fused q|k|v product (CPU)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up (CPU)");
   m.def("silu_mul_halves", &silu_mul_halves, "silu(gate) * up from a fused gate|up product (CPU)");
+#if defined(__AVX512F__)
+  m.def("argmax_rows", &argmax_rows, "each row's first largest value's index, a NaN the largest (CPU, fp32)");
+#endif
   m.def("store_kv", &store_kv, "k, v rows into their cache slots, fp32 rounded into a bf16 cache (CPU)");
 }
