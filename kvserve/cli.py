@@ -160,9 +160,7 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
     from kvserve.kv.sizing import cache_groups
     from kvserve.models.registry import read_model_config
     cfg = read_model_config(model)
-    if kv_cache_dtype == "auto" and dtype == "auto":  # both resolved as the engine would resolve them here
-        kv_cache_dtype = memory_kv_cache_dtype(model, memory_dtype(model, dtype))
-    dtype = memory_dtype(model, dtype)
+    dtype, kv_cache_dtype = memory_dtypes(model, dtype, kv_cache_dtype)
     fmt = kv_format(kv_cache_dtype, canonical_dtype(dtype))
     check_format(fmt, cfg, block_size)
     ctx = context or cfg.max_position_embeddings
@@ -205,24 +203,21 @@ def memory_report(model: str, context: Optional[int], batch: int, kv_cache_dtype
     }
 
 
-def memory_dtype(model: str, dtype: str) -> str:
-    """The model dtype `kvserve memory` costs: --dtype, or for auto what the engine would resolve on
-    this CPU from the checkpoint's published dtype (config.json's torch_dtype; a GGUF's types)."""
+def memory_dtypes(model: str, dtype: str, kv_cache_dtype: str) -> tuple[str, str]:
+    """The model dtype and KV cache format `kvserve memory` costs: as named, or for auto what the
+    engine would resolve on this CPU from the checkpoint's published dtype (config.json's
+    torch_dtype; a GGUF's types): kvserve.config.resolve_dtype, and beside --dtype auto
+    resolve_kv_cache_dtype (a named --dtype keeps an auto cache meaning that dtype)."""
     if dtype != "auto":
-        return dtype
+        return dtype, kv_cache_dtype
     from kvserve import kernels
-    from kvserve.config import resolve_dtype
+    from kvserve.config import resolve_dtype, resolve_kv_cache_dtype
     from kvserve.models.registry import published_dtype
-    return resolve_dtype("cpu", kernels.cpu_flags(), published_dtype(model))
-
-
-def memory_kv_cache_dtype(model: str, dtype: str) -> str:
-    """The KV cache format `--kv-cache-dtype auto` stands for beside `--dtype auto` (resolved to
-    `dtype`) on this CPU, from the checkpoint's published dtype: kvserve.config.resolve_kv_cache_dtype."""
-    from kvserve import kernels
-    from kvserve.config import resolve_kv_cache_dtype
-    from kvserve.models.registry import published_dtype
-    return resolve_kv_cache_dtype("cpu", kernels.cpu_flags(), published_dtype(model), dtype)
+    checkpoint, flags = published_dtype(model), kernels.cpu_flags()
+    dtype = resolve_dtype("cpu", flags, checkpoint)
+    if kv_cache_dtype == "auto":
+        kv_cache_dtype = resolve_kv_cache_dtype("cpu", flags, checkpoint, dtype)
+    return dtype, kv_cache_dtype
 
 
 def _cache_layers_report(cfg: Any, fmt: Any, spec: str, block_size: int, num_tokens: int,

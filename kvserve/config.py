@@ -141,6 +141,18 @@ def canonical_dtype(name: str) -> str:
     return key
 
 
+def held_matrices(checkpoint: str, weight_dtype: str = "auto") -> str:
+    """What the model's large matrices are held as, from the checkpoint's dtype (one of
+    CHECKPOINT_DTYPES) and --weight-dtype: the float dtype --weight-dtype names (every matrix
+    dequantized to it), "packed" where they are packed (in the checkpoint, or float ones packed at
+    load by --weight-dtype int8/int4), else the checkpoint's own dtype."""
+    if checkpoint not in CHECKPOINT_DTYPES:
+        raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
+    if weight_dtype in MODEL_DTYPES:
+        return weight_dtype
+    return "packed" if weight_dtype in ("int8", "int4") else checkpoint
+
+
 def resolve_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, weight_dtype: str = "auto") -> str:
     """The model dtype `--dtype auto` stands for, from where the model runs and what its
     checkpoint holds (`checkpoint`: one of CHECKPOINT_DTYPES; `cpu_flags` as /proc/cpuinfo
@@ -158,15 +170,12 @@ def resolve_dtype(device: str, cpu_flags: frozenset[str], checkpoint: str, weigh
         resolve_dtype("cpu", frozenset({"avx512_bf16"}), "packed") == "float32"
         resolve_dtype("cuda", frozenset(), "float32") == "bfloat16"
     """
-    if checkpoint not in CHECKPOINT_DTYPES:
-        raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
+    held = held_matrices(checkpoint, weight_dtype)
     if weight_dtype in MODEL_DTYPES:  # every matrix dequantized to this dtype: it is the model's
-        return weight_dtype
-    if weight_dtype in ("int8", "int4"):  # float matrices packed at load
-        checkpoint = "packed"
-    sixteen_bit = checkpoint in ("bfloat16", "float16")
+        return held
+    sixteen_bit = held in ("bfloat16", "float16")
     if device.startswith("cuda"):
-        return checkpoint if sixteen_bit else "bfloat16"
+        return held if sixteen_bit else "bfloat16"
     return "bfloat16" if sixteen_bit and cpu_flags & BF16_CPU_FLAGS else "float32"
 
 
@@ -183,9 +192,7 @@ def resolve_kv_cache_dtype(device: str, cpu_flags: frozenset[str], checkpoint: s
         resolve_kv_cache_dtype("cpu", frozenset({"amx_bf16"}), "packed", "float32") == "bfloat16"
         resolve_kv_cache_dtype("cpu", frozenset({"avx2"}), "packed", "float32") == "float32"
     """
-    if checkpoint not in CHECKPOINT_DTYPES:
-        raise ValueError(f"checkpoint dtype must be one of {CHECKPOINT_DTYPES}, got {checkpoint!r}")
-    packed = (checkpoint == "packed" and weight_dtype not in MODEL_DTYPES) or weight_dtype in ("int8", "int4")
+    packed = held_matrices(checkpoint, weight_dtype) == "packed"
     if not device.startswith("cuda") and packed and model_dtype == "float32" and cpu_flags & BF16_CPU_FLAGS:
         return "bfloat16"
     return model_dtype

@@ -275,26 +275,24 @@ at::Tensor silu_mul_halves(at::Tensor gu) {
   return silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
 }
 
-// fp32 -> bf16 bits, to nearest even, as c10::BFloat16(float) rounds (a NaN is 0x7FC0): integer
-// arithmetic the compiler vectorizes.
-inline uint16_t bf16_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0;
-  return static_cast<uint16_t>((u + ((u >> 16) & 1u) + 0x7FFFu) >> 16);
-}
-
-// One token's K or V row (KVH * D values) into its slot: copied, or rounded from fp32 to a bf16
-// cache (what k.to(torch.bfloat16) and an index_put_ did in two calls a tensor).
-template <bool kRound>
-inline void store_row(uint8_t* dst, const uint8_t* src, int64_t n, int64_t bytes) {
-  if constexpr (kRound) {
-    const float* __restrict__ x = reinterpret_cast<const float*>(src);
-    uint16_t* __restrict__ y = reinterpret_cast<uint16_t*>(dst);
-    for (int64_t i = 0; i < n; ++i) y[i] = bf16_bits(x[i]);
-  } else {
+// One token's K or V row (n values, `bytes` bytes) into its slot: copied, or with `round` fp32
+// rounded into a bf16 cache as c10::BFloat16 rounds (round_bf16 on AVX-512; what
+// k.to(torch.bfloat16) and an index_put_ did in two calls a tensor).
+inline void store_row(uint8_t* dst, const uint8_t* src, int64_t n, int64_t bytes, bool round) {
+  if (!round) {
     std::memcpy(dst, src, bytes);
+    return;
   }
+  const float* x = reinterpret_cast<const float*>(src);
+  c10::BFloat16* y = reinterpret_cast<c10::BFloat16*>(dst);
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    store16(y + i, round_bf16(load16(x + i, m)), m);
+  }
+#endif
+  for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
 }
 
 void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
@@ -326,13 +324,8 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
       __builtin_prefetch(vd + sp[t] * row + at, 1);
     }
   for (int64_t t = 0; t < T; ++t) {
-    if (round) {
-      store_row<true>(kd + sp[t] * row, ks + t * lk, n, row);
-      store_row<true>(vd + sp[t] * row, vs + t * lv, n, row);
-    } else {
-      store_row<false>(kd + sp[t] * row, ks + t * lk, n, row);
-      store_row<false>(vd + sp[t] * row, vs + t * lv, n, row);
-    }
+    store_row(kd + sp[t] * row, ks + t * lk, n, row, round);
+    store_row(vd + sp[t] * row, vs + t * lv, n, row, round);
   }
 }
 

@@ -552,11 +552,11 @@ inline __m512 hsum16(const __m512* v) {
 // How this path reads each format. Keys: a block's rows as fp32 (in place for fp32, else
 // converted into a buffer), scored 16 rows at a time against each of the G query heads. A format
 // may leave a factor per row out of its rows (KeyRows::row_scale, applied to the scores: int8),
-// and bf16 keeps each 32 channels as the 16 even ones, then the 16 odd ones (kKeysSplit: one
+// and bf16 keeps each 32 channels as the 16 even ones, then the 16 odd ones (kSplit: one
 // instruction converts 16 values; the queries are put in the same order, so each dot product
 // has the same terms). Values: a row at a time into registers, bf16 and int8 straight from the
 // cache (no buffer), the other formats from the rows their source converts, with a factor the
-// row's weights take; bf16's in the same split order (kValuesSplit: the sums go back to channel
+// row's weights take; bf16's in the same split order (kSplit: the sums go back to channel
 // order as they are stored). Converting a block into a buffer and reading it back had cost bf16
 // more than its products (perf: 35% of the values' pass).
 struct KeyRows {
@@ -565,13 +565,9 @@ struct KeyRows {
 };
 
 template <typename Src, int NV>
-constexpr bool kKeysSplit = false;
+constexpr bool kSplit = false;  // rows kept as each 32 channels' 16 even ones, then the 16 odd ones
 template <int NV>
-constexpr bool kKeysSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
-template <typename Src, int NV>
-constexpr bool kValuesSplit = false;
-template <int NV>
-constexpr bool kValuesSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
+constexpr bool kSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
 
 template <int NV, typename Src>
 inline KeyRows key_block(const Src& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*) {
@@ -589,7 +585,7 @@ inline void split_bf16(const c10::BFloat16* p, __m512& even, __m512& odd) {
 
 template <int NV>
 inline KeyRows key_block(const Dense<c10::BFloat16>& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*) {
-  if constexpr (!kKeysSplit<Dense<c10::BFloat16>, NV>) {
+  if constexpr (!kSplit<Dense<c10::BFloat16>, NV>) {
     return {src.rows(blk, kh, n, buf), nullptr};
   } else {
     constexpr int64_t D = NV * 16;
@@ -648,7 +644,7 @@ inline void each_value_row(const Src& src, const int64_t* table, int64_t begin, 
 template <int NV, typename RowFn>
 inline void each_value_row(const Dense<c10::BFloat16>& src, const int64_t* table, int64_t begin, int64_t L,
                            int64_t BS, int64_t kh, float* buf, RowFn&& row) {
-  if constexpr (!kValuesSplit<Dense<c10::BFloat16>, NV>) {
+  if constexpr (!kSplit<Dense<c10::BFloat16>, NV>) {
     each_value_row<NV, Dense<c10::BFloat16>>(src, table, begin, L, BS, kh, buf, row);
   } else {
     constexpr int64_t D = NV * 16;
@@ -679,7 +675,7 @@ inline void each_value_row(const Int8& src, const int64_t* table, int64_t begin,
   });
 }
 
-// The G query heads of K/V head kh as read against keys stored split (kKeysSplit): each 32
+// The G query heads of K/V head kh as read against keys stored split (kSplit): each 32
 // channels as the 16 even ones, then the 16 odd ones.
 inline void split_queries(float* qf, int64_t G, int64_t D) {
   float tmp[32];
@@ -755,7 +751,7 @@ inline std::pair<float, float> part_softmax(float* s, int64_t L, int64_t Lp) {
 // acc [GC, D] = sum over a part's positions t of p[g * Lp + t] * v_t for GC query heads of K/V
 // head kh from g0 on, their sums held in registers (GC * NV of them, a compile-time count: a
 // runtime one left them on the stack) while the part's rows are added. Sums of split rows
-// (kValuesSplit) are put back in channel order as they are stored.
+// (kSplit) are put back in channel order as they are stored.
 template <int NV, int GC, typename VSrc>
 void part_values_heads(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
                        int64_t Lp, float* buf, float* acc) {
@@ -768,7 +764,7 @@ void part_values_heads(const float* p, const VSrc& vs, const int64_t* table, Par
       for (int j = 0; j < NV; ++j) o[g][j] = _mm512_fmadd_ps(w, vv[j], o[g][j]);
     }
   });
-  if constexpr (kValuesSplit<VSrc, NV>) {
+  if constexpr (kSplit<VSrc, NV>) {
     // o[g][j] holds channels 16j + 2i (j even) or 16(j - 1) + 2i + 1 (j odd) in lane i
     const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
     const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
@@ -824,7 +820,7 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
       const int64_t L = span.end - span.begin, Lp = (L + 15) / 16 * 16;  // scores padded to whole vectors
       if (static_cast<int64_t>(scores.size()) < G * Lp) scores.resize(G * Lp);
       scaled_queries(q, b, kh, H, G, D, scale, qf.data());
-      if constexpr (kKeysSplit<KSrc, NV>) split_queries(qf.data(), G, D);
+      if constexpr (kSplit<KSrc, NV>) split_queries(qf.data(), G, D);
       part_scores<NV>(qf.data(), ks, vs, table, span, BS, kh, G, Lp, buf.data(), row_scale.data(), scores.data());
       const int64_t at = st.at(b, part, kh * G);  // the G heads of kh are consecutive
       for (int64_t g = 0; g < G; ++g)
