@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 PROMPT_LEN, WARMUP = 32, 6
 # which kernel functions count as what (every other function of a kernel: "other kernels")
 KERNEL_PARTS = {
-    "products": ("linear_q8", "linear_quant", "linear_bf16", "linear_few_rows", "linear"),
+    "products": ("linear_q8", "linear_quant", "linear_bf16", "linear_few_rows", "linear", "linear_bf16_tiles"),
     "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv"),
     "layer ops": ("rms_norm", "add_rms_norm", "rope_qkv", "rotate_halves", "silu_mul", "silu_mul_halves"),
 }
@@ -144,6 +144,9 @@ def instrument(timers: Timers, engine: Any) -> None:
         for attr in dir(module):
             if not attr.startswith("_") and callable(getattr(module, attr)) and attr not in ("isa",):
                 timers.wrap(module, attr, kernel_part(attr))
+    for m in engine.runner.model.modules():  # a packed linear's AMX tiles product, held by the module
+        if callable(getattr(m, "tiles", None)):
+            timers.wrap(m, "tiles", "products")
     engine.runner.use_fast_path(True)
 
 
@@ -260,19 +263,24 @@ def show(label: str, rows: list[dict]) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rev", default=None, help="also measure this git revision (before)")
-    p.add_argument("--acts", nargs="+", default=["int8", "float"], choices=["int8", "float"])
+    p.add_argument("--acts", nargs="+", default=["int8", "float"], choices=["auto", "int8", "float"],
+                   help="packed activations (auto: the defaults' product policy)")
     p.add_argument("--threads", nargs="+", type=int, default=[2, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each sequence's prompt")
     p.add_argument("--clock", choices=list(CLOCKS), default="wall",
                    help="wall time, or this thread's CPU time (on a loaded machine; exact for 1 thread only: "
                         "kernel threads other than the caller's are not counted)")
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    global clock_ns
+    global clock_ns, PROMPT_LEN
     clock_ns = CLOCKS[a.clock]
+    PROMPT_LEN = a.prompt_len
     argv = ["--clock", a.clock, "--acts", *a.acts, "--threads", *map(str, a.threads), "--batch", *map(str, a.batch),
             "--steps", str(a.steps)]
+    if a.prompt_len != 32:  # (revisions before the option take the default only)
+        argv += ["--prompt-len", str(a.prompt_len)]
     if a.json_only:
         print(json.dumps(run_all(a.acts, a.threads, a.batch, a.steps)))
         return

@@ -190,6 +190,28 @@ def test_bf16_tiles_give_the_dense_copys_products(fmt, n, k, threads):
         assert_near_dense_copy(y, x, w, bias)
 
 
+@needs_amx
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("n", [49, 577])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_bf16_tiles_over_chunks_of_rows(fmt, n, threads):
+    """Past about 1 MiB of bf16 x (320 rows at K = 1536) the rows go in chunks, each chunk times
+    every pair of panels: one chunk exactly, one row more, and three chunks and a part whose last
+    tile is cut, with one or several pairs of panels a thread."""
+    kernel = compiled_kernel("linear_q8", "amx")
+    k = 1536
+    p = packed(n, k, fmt, seed=n)
+    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
+    w = dequantize_torch(p.data, p.fmt, k)
+    g = torch.Generator().manual_seed(threads)
+    for m in (320, 321, 1000):
+        x = torch.randn(m, k, generator=g)
+        bias = torch.randn(n, generator=g) if m % 2 else None
+        with torch_threads(threads):
+            y = kernel.linear_bf16_tiles(x, panels, p.fmt.ggml_type, k, n, bias)
+        assert_near_dense_copy(y, x, w, bias)
+
+
 def halfway_q4_1(n):
     """Q4_1 rows [n, 20] (K = 32) with d = 2**-8 and m = 1: w = 1 + q / 256, and every odd q lies
     halfway between two bf16 values (their step is 2 / 256 there)."""
