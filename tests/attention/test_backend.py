@@ -208,3 +208,39 @@ def test_kernel_attends_to_the_last_window_positions_only(kernel_module, fmt, wi
     ref = backend.decode(0, q, storage, meta, 0.125)
     out = decode_kernel(kernel_module, storage)(q, *storage.decode_operands(0), tables, n, 0.125, window)
     assert (out - ref).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
+def test_a_chunk_attends_over_a_bf16_cache_in_bf16(cache):
+    """A prompt's chunk over a bf16 cache attends in bf16 on CPU (queries rounded, fp32 sums),
+    within bf16's rounding of the fp32 attention over the same cached rows; over an fp32 cache it
+    stays the fp32 attention exactly. Soft caps and sinks keep fp32."""
+    from kvserve.attention.torch_backend import _attend_3d, chunk_dtype
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(40, 9, 64, generator=g)
+    k, v = (torch.randn(40, 3, 64, generator=g).to(cache) for _ in range(2))
+    assert chunk_dtype(q, k, None, None) == (torch.bfloat16 if cache == torch.bfloat16 else torch.float32)
+    assert chunk_dtype(q, k, 30.0, None) == torch.float32
+    assert chunk_dtype(q, k, None, q) == torch.float32
+    backend = TorchAttentionBackend(16, torch.float32)
+    mask = torch.ones(40, 40, dtype=torch.bool).tril_()
+
+    class View:
+        from_cache, read_from, num_sinks, sink_columns = True, 0, 0, None
+
+    class Storage:
+        def chunk_context(self, layer, table, start, k_, v_):
+            return k, v
+
+    class Span:
+        block_table, context_len, q_len = torch.zeros(3, dtype=torch.long), 40, 40
+
+    view = View()
+    view.mask = mask
+    got = backend._chunk(0, q, k, v, Storage(), Span(), view, 0.125, None)
+    exact = _attend_3d(q, k.float(), v.float(), mask, 0.125, None)
+    assert got.dtype == torch.float32
+    if cache == torch.float32:
+        assert torch.equal(got, exact)
+    else:
+        assert 0 < (got - exact).abs().max() < 0.02  # bf16 queries and weights: about 2^-8 of the values
