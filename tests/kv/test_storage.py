@@ -80,6 +80,41 @@ def test_cpu_zeros_are_zero_and_cost_no_memory_until_written(dtype):
     assert t[3].float().sum().item() == 1024 * 1024 and t[4].count_nonzero().item() == 0
 
 
+def mapping_flags(address: int) -> dict[str, str]:
+    """/proc/self/smaps' fields of the mapping holding `address`."""
+    fields: dict[str, str] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside:
+                key, _, value = line.partition(":")
+                fields[key] = value.strip()
+    return fields
+
+
+def test_cpu_zeros_ask_for_huge_pages():
+    """The cache's mapping is advised into transparent huge pages where the OS gives them on
+    request (madvise or always), so the kernel may back it with 2 MiB pages: VmFlags "hg", and
+    THPeligible 1 once a huge page is possible."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("this kernel has no transparent huge pages")
+    t = zeros((16, 1024, 1024), torch.float32, "cpu")  # 64 MiB
+    t[0].fill_(1)
+    flags = mapping_flags(t.data_ptr())
+    if "[never]" in mode:
+        assert "hg" not in flags.get("VmFlags", "").split() or flags.get("THPeligible") == "0"
+        return
+    assert "hg" in flags["VmFlags"].split()
+    assert flags.get("THPeligible", "1") == "1"
+    assert t[0].sum().item() == 1024 * 1024 and t[1].count_nonzero().item() == 0
+
+
 # ---- quantized storages ----
 from kvserve.kv import quant  # noqa: E402
 from kvserve.kv.storage import Fp8KVStorage, Int4KVStorage, Int8KVStorage  # noqa: E402
