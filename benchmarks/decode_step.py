@@ -4,7 +4,8 @@ step's inputs and metadata, Python between the kernels in the forward pass, samp
 processing and the engine's own bookkeeping).
 
 SmolLM2-135M-Instruct Q4_1 (the default GGUF, 30 layers), greedy decodes of B requests from
-prompts of 32 tokens, with packed activations int8 and float, on 2 and 1 threads, B = 1, 16, 64.
+prompts of 32 tokens (`--prompt-len`), with packed activations int8 and float (`--acts`; auto:
+the defaults' policy, AMX tiles above 24 rows), on 2 and 1 threads, B = 1, 16, 64.
 For each: the plain step time (median over the steps, nothing timed inside) and, over the same
 number of further steps, each part's own time, timed by wrapping the engine's methods and every
 function of the compiled kernels (in this script only; `--clock cpu` times this thread's CPU time, which a
@@ -36,10 +37,11 @@ import time
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
-PROMPT_LEN, WARMUP = 32, 6
+PROMPT_LEN, WARMUP = 32, 6  # the prompt's tokens by default, steps before timing
 # which kernel functions count as what (every other function of a kernel: "other kernels")
 KERNEL_PARTS = {
-    "products": ("linear_q8", "linear_quant", "linear_bf16", "linear_few_rows", "linear", "linear_bf16_tiles"),
+    "products": ("linear_q8", "linear_quant", "linear_bf16", "linear_few_rows", "linear",
+                 "linear_bf16_tiles"),
     "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv"),
     "layer ops": ("rms_norm", "add_rms_norm", "rope_qkv", "rotate_halves", "silu_mul", "silu_mul_halves"),
 }
@@ -150,12 +152,12 @@ def instrument(timers: Timers, engine: Any) -> None:
     engine.runner.use_fast_path(True)
 
 
-def make_engine(loaded: Any, acts: str, batch: int, max_tokens: int) -> Any:
+def make_engine(loaded: Any, acts: str, batch: int, max_tokens: int, prompt_len: int) -> Any:
     from kvserve.engine.llm_engine import LLMEngine
-    blocks_per_seq = (PROMPT_LEN + max_tokens) // 16 + 2
+    blocks_per_seq = (prompt_len + max_tokens) // 16 + 2
     return LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, packed_activations=acts,
                                   num_blocks=batch * blocks_per_seq + 8, max_num_seqs=max(batch, 1),
-                                  max_model_len=PROMPT_LEN + max_tokens + 16)
+                                  max_model_len=prompt_len + max_tokens + 16)
 
 
 def greedy_params(max_tokens: int) -> Any:
@@ -172,14 +174,15 @@ def trimmed(values: list[float]) -> list[int]:
     return order[:max(1, len(values) - len(values) // 10)]
 
 
-def measure(loaded: Any, acts: str, threads: int, batch: int, steps: int) -> dict:
+def measure(loaded: Any, acts: str, threads: int, batch: int, steps: int,
+            prompt_len: int = PROMPT_LEN) -> dict:
     """One configuration: plain step times, then the parts over as many timed steps."""
     import torch
     torch.set_num_threads(threads)
     max_tokens = WARMUP + 2 * steps + 8
-    engine = make_engine(loaded, acts, batch, max_tokens)
+    engine = make_engine(loaded, acts, batch, max_tokens, prompt_len)
     for i in range(batch):
-        engine.add_request(None, [(37 * i + 11 * j) % 5000 + 100 for j in range(PROMPT_LEN)],
+        engine.add_request(None, [(37 * i + 11 * j) % 5000 + 100 for j in range(prompt_len)],
                            greedy_params(max_tokens))
     while any(r.num_computed_tokens < r.num_tokens - 1 for r in engine.scheduler.requests.values()) \
             or engine.scheduler.waiting:
@@ -221,10 +224,11 @@ def measure(loaded: Any, acts: str, threads: int, batch: int, steps: int) -> dic
             "non_kernel_ms": step - kernel_ms - timers_ms}
 
 
-def run_all(acts_list: list[str], threads_list: list[int], batches: list[int], steps: int) -> list[dict]:
+def run_all(acts_list: list[str], threads_list: list[int], batches: list[int], steps: int,
+            prompt_len: int = PROMPT_LEN) -> list[dict]:
     from kvserve.models.registry import load_weights
     loaded = load_weights("SmolLM2-135M-Instruct")
-    return [measure(loaded, acts, threads, batch, steps)
+    return [measure(loaded, acts, threads, batch, steps, prompt_len)
             for acts in acts_list for threads in threads_list for batch in batches]
 
 
@@ -242,8 +246,11 @@ def run_revision(rev: str, argv: list[str]) -> list[dict]:
         if not os.path.exists(script):
             script = os.path.abspath(__file__)
         env = {**os.environ, "PYTHONPATH": tree}
-        out = subprocess.run([sys.executable, script, "--json-only", *argv], env=env, cwd=tree, check=True,
-                             capture_output=True, text=True).stdout
+        done = subprocess.run([sys.executable, script, "--json-only", *argv], env=env, cwd=tree,
+                              capture_output=True, text=True)
+        if done.returncode != 0:  # e.g. an option that revision does not have
+            raise SystemExit(f"revision {rev} failed:\n{done.stderr.strip()}")
+        out = done.stdout
     return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -261,35 +268,36 @@ def show(label: str, rows: list[dict]) -> None:
 
 
 def main() -> None:
+    from kvserve.config import PACKED_ACTIVATIONS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rev", default=None, help="also measure this git revision (before)")
-    p.add_argument("--acts", nargs="+", default=["int8", "float"], choices=["auto", "int8", "float"],
+    p.add_argument("--acts", nargs="+", default=["int8", "float"], choices=list(PACKED_ACTIVATIONS),
                    help="packed activations (auto: the defaults' product policy)")
     p.add_argument("--threads", nargs="+", type=int, default=[2, 1])
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=48)
-    p.add_argument("--prompt-len", type=int, default=32, help="tokens of each sequence's prompt")
+    p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="tokens of each sequence's prompt")
     p.add_argument("--clock", choices=list(CLOCKS), default="wall",
                    help="wall time, or this thread's CPU time (on a loaded machine; exact for 1 thread only: "
                         "kernel threads other than the caller's are not counted)")
     p.add_argument("--json-only", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
-    global clock_ns, PROMPT_LEN
+    global clock_ns
     clock_ns = CLOCKS[a.clock]
-    PROMPT_LEN = a.prompt_len
     argv = ["--clock", a.clock, "--acts", *a.acts, "--threads", *map(str, a.threads), "--batch", *map(str, a.batch),
             "--steps", str(a.steps)]
-    if a.prompt_len != 32:  # (revisions before the option take the default only)
+    if a.prompt_len != PROMPT_LEN:  # (revisions before the option take the default only)
         argv += ["--prompt-len", str(a.prompt_len)]
     if a.json_only:
-        print(json.dumps(run_all(a.acts, a.threads, a.batch, a.steps)))
+        print(json.dumps(run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len)))
         return
-    result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct Q4_1", "prompt_len": PROMPT_LEN, "steps": a.steps,
+    result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct Q4_1", "prompt_len": a.prompt_len,
+                              "steps": a.steps,
                               "clock": a.clock}
     if a.rev:
         result["before"] = {"rev": a.rev, "rows": run_revision(a.rev, argv)}
         show(a.rev, result["before"]["rows"])
-    result["after"] = {"rev": _head(), "rows": run_all(a.acts, a.threads, a.batch, a.steps)}
+    result["after"] = {"rev": _head(), "rows": run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len)}
     show("now", result["after"]["rows"])
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_step.json")
     with open(out, "w") as f:

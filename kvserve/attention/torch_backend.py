@@ -162,19 +162,21 @@ class TorchAttentionBackend(AttentionBackend):
             sk, sv = storage.gather(layer, sink_table, self.block_size)
             keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
             values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
-        dtype = chunk_dtype(q, keys, softcap, q_sink)
+        written_out = softcap is not None or view.sink_columns is not None or q_sink is not None
+        dtype = chunk_dtype(q, keys, written_out)
         return _attend_3d(q.to(dtype), keys.to(dtype), values.to(dtype), view.mask, scale, softcap, q_sink,
                           view.sink_columns).to(q.dtype)
 
 
-def chunk_dtype(q: torch.Tensor, keys: torch.Tensor, softcap: Optional[float], q_sink: Optional[torch.Tensor]) -> torch.dtype:
-    """The dtype a chunk's attention over the cache runs in: on CPU, fp32 queries over a bf16
-    cache attend in bf16 (the queries rounded, PyTorch's fused attention summing in fp32), which
-    takes half to a third of fp32's time (one layer of SmolLM2, 128 tokens: 120 against 256 us;
-    512 tokens: 943 against 3,127); elsewhere, and where scores are soft-capped or sinks scored
-    (the written-out arithmetic), the queries' dtype. An fp32 cache (--exact) stays fp32."""
-    if (q.device.type == "cpu" and q.dtype == torch.float32 and keys.dtype == torch.bfloat16
-            and softcap is None and q_sink is None):
+def chunk_dtype(q: torch.Tensor, keys: torch.Tensor, written_out: bool) -> torch.dtype:
+    """The dtype a chunk's attention over the cache runs in. On CPU, fp32 queries over a bf16
+    cache attend in bf16: PyTorch's fused attention rounds the queries and the softmax weights
+    to bf16, sums in fp32 and gives bf16 outputs (made fp32 again), in half to a third of fp32's
+    time (one layer of SmolLM2, 128 tokens: 120 against 256 us; 512 tokens: 943 against 3,127).
+    Elsewhere, and for a chunk whose scores are written out (`written_out`: soft caps, sinks),
+    the queries' dtype; an fp32 cache (--exact) stays fp32."""
+    on_cpu = q.device.type == "cpu"
+    if on_cpu and q.dtype == torch.float32 and keys.dtype == torch.bfloat16 and not written_out:
         return torch.bfloat16
     return q.dtype
 

@@ -532,8 +532,8 @@ class Int4KVStorage(BlockTensorStorage):
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A zero tensor. On CPU from calloc (through numpy), whose pages the OS hands out already
-    zero when first touched: a 4 GiB cache is ready at once instead of after 5 s of writing
+    """A zero tensor. On CPU a private anonymous mapping of its own, whose pages the OS hands
+    out already zero when first touched: a 4 GiB cache is ready at once instead of after 5 s of writing
     zeros, and blocks never written (the null block among them) cost no memory (in huge pages
     where the OS has them: `huge_pages`). Zeros, not garbage: a padded or masked-out slot is
     still multiplied by 0 and must not be NaN."""
@@ -550,22 +550,22 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     return torch.from_numpy(np.frombuffer(pages, dtype=np.uint8)).view(dtype).view(shape)
 
 
-def huge_pages(pages: mmap.mmap) -> bool:
-    """Ask for the mapping in transparent huge pages (2 MiB) where the OS gives them on request
-    (madvise mode, Linux's default): a cache's blocks lie anywhere in it, and with 4 KiB pages
-    each block read or first written missed the TLB (a page walk) or took a page fault. One layer
-    of decode attention over 64 contexts of 256 tokens read from memory took 1.18-1.31 ms
-    against 1.57-1.63 (bf16; int8 0.83-0.86 against 1.04-1.07), and 64 rows written into fresh
-    blocks 21 us against 298. Memory still comes on first write, 2 MiB at a time. Returns
-    whether the OS took the advice (not where huge pages are off or unknown)."""
+def huge_pages(pages: mmap.mmap) -> None:
+    """Advise the mapping into transparent huge pages (2 MiB), which Linux then gives where its
+    THP mode is "always" or "madvise" (Debian's and Ubuntu's default) and not where it is
+    "never": a cache's blocks lie anywhere in it, and with 4 KiB pages each block read missed
+    the TLB (a page walk) and each first write took a page fault. One layer of decode attention
+    over 64 contexts of 256 tokens read from memory took 1.18-1.31 ms against 1.57-1.63 (bf16;
+    int8 0.83-0.86 against 1.04-1.07), and 64 rows written into fresh blocks 21 us against 298.
+    Memory still comes on first write, 2 MiB at a time (and where the OS compacts memory to find
+    one, that write waits for it). A system without the advice keeps 4 KiB pages."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if advice is None:
-        return False
+        return
     try:
         pages.madvise(advice)
     except OSError:
-        return False
-    return True
+        pass  # an advice the kernel does not take: the mapping works as it is
 
 
 def _gather(cache: torch.Tensor, block_tables: torch.Tensor, num_slots: int) -> torch.Tensor:

@@ -210,37 +210,39 @@ def test_kernel_attends_to_the_last_window_positions_only(kernel_module, fmt, wi
     assert (out - ref).abs().max().item() < 1e-5
 
 
-@pytest.mark.parametrize("cache", [torch.bfloat16, torch.float32])
-def test_a_chunk_attends_over_a_bf16_cache_in_bf16(cache):
-    """A prompt's chunk over a bf16 cache attends in bf16 on CPU (queries rounded, fp32 sums),
-    within bf16's rounding of the fp32 attention over the same cached rows; over an fp32 cache it
-    stays the fp32 attention exactly. Soft caps and sinks keep fp32."""
-    from kvserve.attention.torch_backend import _attend_3d, chunk_dtype
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(40, 9, 64, generator=g)
-    k, v = (torch.randn(40, 3, 64, generator=g).to(cache) for _ in range(2))
-    assert chunk_dtype(q, k, None, None) == (torch.bfloat16 if cache == torch.bfloat16 else torch.float32)
-    assert chunk_dtype(q, k, 30.0, None) == torch.float32
-    assert chunk_dtype(q, k, None, q) == torch.float32
-    backend = TorchAttentionBackend(16, torch.float32)
-    mask = torch.ones(40, 40, dtype=torch.bool).tril_()
+def test_chunk_dtype_is_bf16_only_over_a_bf16_cache_on_cpu():
+    """fp32 queries over a bf16 cache on CPU attend in bf16; over fp32 or fp16 rows, with bf16
+    queries, or where scores are written out (soft caps, sinks), in the queries' dtype."""
+    from kvserve.attention.torch_backend import chunk_dtype
+    q = torch.randn(4, 9, 64)
+    rows = {dt: torch.randn(4, 3, 64).to(dt) for dt in (torch.bfloat16, torch.float32, torch.float16)}
+    assert chunk_dtype(q, rows[torch.bfloat16], False) == torch.bfloat16
+    assert chunk_dtype(q, rows[torch.bfloat16], True) == torch.float32
+    assert chunk_dtype(q, rows[torch.float32], False) == torch.float32
+    assert chunk_dtype(q, rows[torch.float16], False) == torch.float32
+    assert chunk_dtype(q.bfloat16(), rows[torch.bfloat16], False) == torch.bfloat16
 
-    class View:
-        from_cache, read_from, num_sinks, sink_columns = True, 0, 0, None
 
-    class Storage:
-        def chunk_context(self, layer, table, start, k_, v_):
-            return k, v
+@pytest.mark.parametrize("cache, attends_in", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_prompts_attend_over_a_bf16_cache_in_bf16(stories, monkeypatch, cache, attends_in):
+    """The engine's prompt chunks (whole and cut into pieces) attend in bf16 over a bf16 cache
+    and in fp32 over an fp32 cache; either way the tokens are the fp32 cache's."""
+    from kvserve.attention import torch_backend
+    from tests.conftest import greedy, run_collecting_logits
+    seen = []
+    fused = torch_backend.F.scaled_dot_product_attention
 
-    class Span:
-        block_table, context_len, q_len = torch.zeros(3, dtype=torch.long), 40, 40
+    def recording(q, *args, **kwargs):
+        seen.append(q.dtype)
+        return fused(q, *args, **kwargs)
 
-    view = View()
-    view.mask = mask
-    got = backend._chunk(0, q, k, v, Storage(), Span(), view, 0.125, None)
-    exact = _attend_3d(q, k.float(), v.float(), mask, 0.125, None)
-    assert got.dtype == torch.float32
-    if cache == torch.float32:
-        assert torch.equal(got, exact)
-    else:
-        assert 0 < (got - exact).abs().max() < 0.02  # bf16 queries and weights: about 2^-8 of the values
+    prompts = [stories.tokenizer.encode("Once upon a time there was a little girl named Lily who loved")]
+    expected, _ = run_collecting_logits(make_engine(stories, kv_cache_dtype="float32"), prompts, greedy(8))
+    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
+    for chunk in (None, 5):
+        seen.clear()
+        engine = make_engine(stories, kv_cache_dtype=cache, max_prefill_chunk=chunk,
+                             max_num_batched_tokens=16)
+        got, _ = run_collecting_logits(engine, prompts, greedy(8))
+        assert seen and set(seen) == {attends_in}
+        assert got[0].outputs[0].token_ids == expected[0].outputs[0].token_ids
