@@ -46,8 +46,9 @@
 //
 // The amx build has a second product, linear_bf16_tiles: what a dense bf16 copy of W multiplied
 // by bf16 x gives (oneDNN's AMX-BF16 product of the copy), without the copy: each call makes a
-// panel's bf16 B tiles from its blocks, scales applied, and every tile of rows of x reuses them,
-// summing in fp32 tiles over the whole of K ("bf16 tiles" below).
+// panel's bf16 B tiles from its blocks, scales applied (once for each chunk of rows of x, past
+// about 1 MiB of them), and every tile of rows of x reuses them, summing in fp32 tiles over the
+// whole of K ("bf16 tiles" below).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include "linear_operands.h"
@@ -634,9 +635,10 @@ void amx_rows(const float* x, const uint8_t* w, const Out& out, int64_t M, int64
 #if defined(__AMX_BF16__)
 // bf16 tiles (linear_bf16_tiles): the product a dense bf16 copy of W gives (each weight d q (+ m)
 // in fp32 rounded once to bf16, times x rounded to bf16, summed in fp32), made without the copy.
-// A panel's weights are dequantized once a call into AMX-BF16 B tiles, which every tile of rows
-// of x then reuses: the scales are applied while dequantizing, so the fp32 C tiles sum over the
-// whole of K and are stored once, unlike the int8 tiles' store and rescale every block.
+// A panel's weights are dequantized into AMX-BF16 B tiles once a call (once a chunk of rows of
+// x, past about 1 MiB of them: chunk_rows), which every tile of rows of x then reuses: the
+// scales are applied while dequantizing, so the fp32 C tiles sum over the whole of K and are
+// stored once, unlike the int8 tiles' store and rescale every block.
 //
 // A B tile is a block of 32 K values of a panel's 16 W rows, in pairs of K (what tdpbf16ps
 // multiplies): row k2 holds, for each W row n, its bf16 weights 2 k2 and 2 k2 + 1 side by side:
@@ -856,7 +858,8 @@ void rows_times_panels(const uint16_t* a, int64_t M, int64_t K, const uint16_t* 
 // made again for each chunk, a cost spread over at least the chunk's rows.
 constexpr int64_t kChunkBytes = 1 << 20;
 inline int64_t chunk_rows(int64_t K) {
-  return std::max<int64_t>(64, kChunkBytes / (K * int64_t(sizeof(uint16_t))) / (2 * kTileRows) * (2 * kTileRows));
+  const int64_t rows = kChunkBytes / (K * int64_t(sizeof(uint16_t)));
+  return std::max<int64_t>(64, rows / (2 * kTileRows) * (2 * kTileRows));
 }
 
 // Pairs of panels split over threads (each sets up its own tiles); each thread goes through its
@@ -866,20 +869,23 @@ inline int64_t chunk_rows(int64_t K) {
 template <int FMT>
 void bf16_product(const uint16_t* a, int64_t M, const uint8_t* w, int64_t K, const Out& out) {
   const int64_t nb = K / kBlock, pb = kPanel * nb * block_bytes(FMT), np = panels(out.N);
-  const int64_t chunk = chunk_rows(K), chunks = (M + chunk - 1) / chunk;
   const bool tiles = amx_allowed();
   at::parallel_for(0, (np + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     if (tiles) configure_bf16_tiles();
     const Bf16Buffer buffers[2] = {bf16_buffer(2 * nb * kPairTile), bf16_buffer(2 * nb * kPairTile)};
     auto count = [&](int64_t pair) { return std::min<int64_t>(2, np - 2 * pair); };
-    const int64_t pairs = end - begin, items = chunks * pairs;  // item i: chunk i / pairs, pair begin + i % pairs
+    // a thread of one pair reads x once whatever the chunks: it takes x whole, its tiles made once
+    const int64_t pairs = end - begin, chunk = pairs == 1 ? M : chunk_rows(K);
+    const int64_t chunks = (M + chunk - 1) / chunk;
+    const int64_t items = chunks * pairs;  // item i: chunk i / pairs, pair begin + i % pairs
     auto pair_of = [&](int64_t i) { return begin + i % pairs; };
     PanelTiles<FMT> next{w, pb, nb, nullptr};
     next.start(w + 2 * begin * pb, count(begin), buffers[0].get());
     next.finish();
     for (int64_t i = 0; i < items; ++i) {
       const int64_t pair = pair_of(i), m0 = i / pairs * chunk, rows = std::min(chunk, M - m0);
-      next.start(w + 2 * pair_of(i + 1) * pb, i + 1 < items ? count(pair_of(i + 1)) : 0, buffers[(i + 1) % 2].get());
+      const int64_t after = pair_of(i + 1);
+      next.start(w + 2 * after * pb, i + 1 < items ? count(after) : 0, buffers[(i + 1) % 2].get());
       rows_times_panels<FMT>(a + m0 * K, rows, K, buffers[i % 2].get(), count(pair), 2 * pair, tiles,
                              out.from_row(m0), next);
     }
