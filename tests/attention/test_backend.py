@@ -226,19 +226,21 @@ def test_chunk_dtype_is_bf16_only_over_a_bf16_cache_on_cpu():
 @pytest.mark.parametrize("cache, attends_in", [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
 def test_prompts_attend_over_a_bf16_cache_in_bf16(stories, monkeypatch, cache, attends_in):
     """The engine's prompt chunks (whole and cut into pieces) attend in bf16 over a bf16 cache
-    and in fp32 over an fp32 cache; either way the tokens are the fp32 cache's."""
+    and in fp32 over an fp32 cache; either way the tokens are the fp32 cache's. (The chunks'
+    attention is recorded, not the decodes', which take the paged kernel or, with the kernels
+    off, fp32 queries over the cache's rows.)"""
     from kvserve.attention import torch_backend
     from tests.conftest import greedy, run_collecting_logits
     seen = []
-    fused = torch_backend.F.scaled_dot_product_attention
+    chunk_attention = torch_backend._attend_3d
 
     def recording(q, *args, **kwargs):
         seen.append(q.dtype)
-        return fused(q, *args, **kwargs)
+        return chunk_attention(q, *args, **kwargs)
 
     prompts = [stories.tokenizer.encode("Once upon a time there was a little girl named Lily who loved")]
     expected, _ = run_collecting_logits(make_engine(stories, kv_cache_dtype="float32"), prompts, greedy(8))
-    monkeypatch.setattr(torch_backend.F, "scaled_dot_product_attention", recording)
+    monkeypatch.setattr(torch_backend, "_attend_3d", recording)
     for chunk in (None, 5):
         seen.clear()
         engine = make_engine(stories, kv_cache_dtype=cache, max_prefill_chunk=chunk,
