@@ -533,10 +533,10 @@ class Int4KVStorage(BlockTensorStorage):
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A zero tensor. On CPU a private anonymous mapping of its own, whose pages the OS hands
-    out already zero when first touched: a 4 GiB cache is ready at once instead of after 5 s of writing
-    zeros, and blocks never written (the null block among them) cost no memory (in huge pages
-    where the OS has them: `huge_pages`). Zeros, not garbage: a padded or masked-out slot is
-    still multiplied by 0 and must not be NaN."""
+    out already zero when first touched: a 4 GiB cache is ready at once instead of after 5 s of
+    writing zeros, and blocks never written (the null block among them) cost no memory (in huge
+    pages where the OS has them: `huge_pages`). Zeros, not garbage: a padded or masked-out slot
+    is still multiplied by 0 and must not be NaN."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
