@@ -177,12 +177,18 @@ def test_bf16_tiles_give_the_dense_copys_products(fmt, n, k, threads):
     """linear_bf16_tiles is bf16(x) @ bf16(dequantize(W))^T (+ bias) up to the order of the fp32
     sums: 1 to 257 rows (whole tiles of 16 and the rows left), one or two panels a thread's last
     step, a last panel of one row, bias or not."""
+    tiles_near_dense_copy(fmt, n, k, threads, (1, 15, 16, 17, 32, 33, 64, 100, 257), seed=n + k)
+
+
+def tiles_near_dense_copy(fmt, n, k, threads, rows, seed):
+    """linear_bf16_tiles of random x of each row count in `rows` (bias on odd counts), at
+    `threads` threads, against the dense bf16 copy's product."""
     kernel = compiled_kernel("linear_q8", "amx")
-    p = packed(n, k, fmt, seed=n + k)
+    p = packed(n, k, fmt, seed=seed)
     panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
     w = dequantize_torch(p.data, p.fmt, k)
     g = torch.Generator().manual_seed(threads)
-    for m in (1, 15, 16, 17, 32, 33, 64, 100, 257):
+    for m in rows:
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
         bias = torch.randn(n, generator=g) if m % 2 else None
         with torch_threads(threads):
@@ -198,18 +204,7 @@ def test_bf16_tiles_over_chunks_of_rows(fmt, n, threads):
     """Past about 1 MiB of bf16 x (320 rows at K = 1536) the rows go in chunks, each chunk times
     every pair of panels: one chunk exactly, one row more, and three chunks and a part whose last
     tile is cut, with one or several pairs of panels a thread."""
-    kernel = compiled_kernel("linear_q8", "amx")
-    k = 1536
-    p = packed(n, k, fmt, seed=n)
-    panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
-    w = dequantize_torch(p.data, p.fmt, k)
-    g = torch.Generator().manual_seed(threads)
-    for m in (320, 321, 1000):
-        x = torch.randn(m, k, generator=g)
-        bias = torch.randn(n, generator=g) if m % 2 else None
-        with torch_threads(threads):
-            y = kernel.linear_bf16_tiles(x, panels, p.fmt.ggml_type, k, n, bias)
-        assert_near_dense_copy(y, x, w, bias)
+    tiles_near_dense_copy(fmt, n, 1536, threads, (320, 321, 1000), seed=n)
 
 
 def halfway_q4_1(n):
