@@ -245,7 +245,7 @@ def decode_breakdown(engine: LLMEngine, steps: int = 64) -> dict[str, float]:
     engine.add_request("breakdown", [1], SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True))
     for _ in range(4):
         engine.step()
-    with StepBreakdown(engine.model) as b:
+    with StepBreakdown(engine) as b:
         for _ in range(steps):
             engine.step()
     while engine.has_unfinished():

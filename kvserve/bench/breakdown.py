@@ -1,13 +1,16 @@
 """Where a step's time goes: each part's own (exclusive) wall time, timed around the methods that
 do it, and what is left of the step (Python, elementwise ops, PyTorch's per-op cost) as "other".
 
-    with StepBreakdown(engine.model) as b:
+    with StepBreakdown(engine) as b:
         for _ in range(64):
             engine.step()
     b.per_step_ms(64)  # {"matmul": 8.1, "attention": 2.9, ..., "other": 5.0}
 
-Given the model, the methods its fast path bound in its modules' place (kvserve.modules) are
-timed too, in the part of the method they stand for.
+Given the engine, the methods its model's fast path bound in its modules' place (kvserve.modules)
+are timed too, in the part of the method they stand for, and so are the compiled kernels: the
+fast path calls some of them from its blocks directly (a product's kernel from the attention
+block), so the kernels' functions are wrapped and the fast path bound again to take the wrapped
+ones (and again on exit, to take the originals).
 
 A timed call nested in another counts for itself only (the head's product inside sampling is
 matmul, not sampling). The timers cost about a microsecond a call, a few hundred calls a step.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from types import ModuleType
 from typing import Any, Callable, Optional
 
 
@@ -26,10 +30,12 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     from kvserve.engine.output_processor import OutputProcessor
     from kvserve.models.linear import Linear
     from kvserve.models.llama import RMSNorm, RotaryEmbedding
-    from kvserve.models.packed import FusedPart, PackedLinear, PackedLinearQ8
+    from kvserve.models.packed import FusedPart, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows
+    from kvserve.models.products import DenseAbove
     from kvserve.runner.model_runner import ModelRunner
     return {
-        "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"), (FusedPart, "forward")],
+        "matmul": [(Linear, "forward"), (PackedLinear, "forward"), (PackedLinearQ8, "forward"),
+                   (PackedLinearQ8Rows, "forward"), (DenseAbove, "forward"), (FusedPart, "forward")],
         "attention": [(Attention, "forward")],  # the cache write and the attention over it
         "norms": [(RMSNorm, "forward"), (RMSNorm, "add_forward")],
         "rope": [(RotaryEmbedding, "__call__"), (RotaryEmbedding, "rotate_qkv")],
@@ -40,12 +46,24 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
     }
 
 
+# the compiled kernels' functions timed, by part (kvserve.kernels; the others are left in "other")
+KERNEL_PARTS = {
+    "matmul": ("linear_q8", "linear_quant", "linear_bf16", "linear_bf16_tiles"),
+    "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv",
+                  "mla_decode", "mla_decode_int8", "mla_decode_fp8"),
+    "norms": ("rms_norm", "add_rms_norm"),
+    "rope": ("rope_qkv", "rotate_halves"),
+}
+
+
 class StepBreakdown:
     STEP = "step"
 
-    def __init__(self, model: Optional[Any] = None) -> None:
-        self.model = model
+    def __init__(self, engine: Optional[Any] = None) -> None:
+        self.engine = engine
+        self.model = engine.model if engine is not None else None
         self.totals: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)  # timed calls by part
         self._children: list[float] = []
         self._restore: list[tuple[Any, str, Any]] = []
 
@@ -56,6 +74,9 @@ class StepBreakdown:
             for cls, attr in methods:
                 self._wrap(cls, attr, name)
         self._wrap(LLMEngine, "step", self.STEP)
+        if self.engine is not None and self.engine.runner.fast_path:
+            self._wrap_kernels()
+            self.engine.runner.use_fast_path(True)  # the blocks take the wrapped kernels
         for module in self.model.modules() if self.model is not None else ():
             for attr in getattr(module, "fast_bound", ()):
                 name = next((n for n, methods in parts.items()
@@ -69,10 +90,26 @@ class StepBreakdown:
             type.__setattr__(owner, attr, original) if isinstance(owner, type) else \
                 object.__setattr__(owner, attr, original)
         self._restore.clear()
+        if self.engine is not None and self.engine.runner.fast_path:
+            self.engine.runner.use_fast_path(True)  # the original kernels again
+
+    def _wrap_kernels(self) -> None:
+        from kvserve import kernels
+        from kvserve.kernels.levels import KERNEL_ISAS
+        part_of = {fn: part for part, fns in KERNEL_PARTS.items() for fn in fns}
+        seen: set[int] = set()
+        for name in KERNEL_ISAS:
+            module = kernels.load(name)
+            if module is None or id(module) in seen:
+                continue
+            seen.add(id(module))
+            for fn in dir(module):
+                if fn in part_of:
+                    self._wrap(module, fn, part_of[fn])
 
     def _wrap(self, owner: Any, attr: str, name: str) -> None:
         """Time owner's `attr` (a class's method, or a function in a module instance's dict)."""
-        original: Callable[..., Any] = owner.__dict__[attr]
+        original: Callable[..., Any] = getattr(owner, attr) if isinstance(owner, ModuleType) else owner.__dict__[attr]
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()
@@ -83,10 +120,14 @@ class StepBreakdown:
                 inner = self._children.pop()
                 elapsed = time.perf_counter() - t0
                 self.totals[name] += elapsed if name == self.STEP else elapsed - inner
+                self.calls[name] += 1
                 if self._children:
                     self._children[-1] += elapsed
 
-        type.__setattr__(owner, attr, timed) if isinstance(owner, type) else object.__setattr__(owner, attr, timed)
+        if isinstance(owner, type):
+            type.__setattr__(owner, attr, timed)
+        else:
+            object.__setattr__(owner, attr, timed)  # a module instance's dict, or an extension module's
         self._restore.append((owner, attr, original))
 
     def per_step_ms(self, num_steps: int) -> dict[str, float]:

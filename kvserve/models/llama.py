@@ -21,7 +21,7 @@ from kvserve.attention.backend import rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear
-from kvserve.modules import DirectCall, FastPath, FastPathEnv
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, kernel_call, runs_fast_form_of
 
 Methods = dict[str, Callable[..., Any]]
 
@@ -50,14 +50,23 @@ class RMSNorm(DirectCall, FastPath, nn.Module):
         residual = residual + x
         return self.forward(residual), residual
 
-    def fast_methods(self, env: FastPathEnv) -> Methods:
-        """The kernels, where activations are in the weight's dtype on CPU (a 2-D input: what a
-        layer gives; other shapes take the eager forward)."""
+    def norm_ops(self, env: FastPathEnv) -> Optional[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
+                                                            torch.Tensor, float]]:
+        """(rms_norm, add_rms_norm, weight, eps) where activations are in the weight's dtype on CPU
+        with the kernels: forward(x) is rms_norm(x, weight, eps) for 2-D x, and add_forward(x,
+        residual) is (add_rms_norm(x, residual, weight, eps), residual). None: the eager forms."""
         ops = env.cpu_ops if self.ops is not None else None
         if ops is None or env.dtype != self.weight.dtype:
+            return None
+        return ops.rms_norm, ops.add_rms_norm, self.weight, self.eps
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """The kernels (a 2-D input: what a layer gives; other shapes take the eager forward)."""
+        found = self.norm_ops(env)
+        if found is None:
             return {}
-        rms_norm, add_rms_norm, eager = ops.rms_norm, ops.add_rms_norm, type(self).forward
-        weight, eps = self.weight, self.eps
+        rms_norm, add_rms_norm, weight, eps = found
+        eager = type(self).forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             return rms_norm(x, weight, eps) if x.dim() == 2 else eager(self, x)  # type: ignore[no-any-return]
@@ -185,20 +194,25 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
 
     def fast_methods(self, env: FastPathEnv) -> Methods:
         """A fused q|k|v product rotated and split by the kernel (the eager path's choice for
-        such a product on CPU in the tables' dtype)."""
+        such a product on CPU in the tables' dtype); the products' kernels called here
+        (kvserve.modules.kernel_call) up to the rows they take, their modules' forward above."""
         ops = env.cpu_ops
         if ops is None or self.fused_qkv is None:
             return {}
         rope_qkv, heads, kv_heads = ops.rope_qkv, self.num_heads, self.num_kv_heads
+        qkv_fn, qkv_operands, qkv_rows, qkv = kernel_call(self.fused_qkv.fused, env)
+        o_fn, o_operands, o_rows, o_proj = kernel_call(self.o_proj, env)
 
         def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
                     ctx: ForwardContext) -> torch.Tensor:
-            # the children's forward looked up at each call (pinned: a dict lookup), so whatever
-            # is bound in their place later (another backend, a timer) is what runs
+            # the attention's forward looked up at each call (pinned: a dict lookup), so whatever
+            # is bound in its place later (another backend, a timer) is what runs
             cos, sin = rope.angles(positions)
-            q, k, v = rope_qkv(self.fused_qkv.fused.forward(x), cos, sin, heads, kv_heads)
-            out = self.attn.forward(q, k, v, ctx)
-            return self.o_proj.forward(out.flatten(1))  # type: ignore[no-any-return]
+            rows = x.shape[0]
+            q, k, v = rope_qkv(qkv_fn(x, *qkv_operands) if rows <= qkv_rows else qkv.forward(x), cos, sin,
+                               heads, kv_heads)
+            out = self.attn.forward(q, k, v, ctx).flatten(1)
+            return o_fn(out, *o_operands) if rows <= o_rows else o_proj.forward(out)  # type: ignore[no-any-return]
         return {"forward": forward}
 
 
@@ -224,17 +238,22 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
     def fast_methods(self, env: FastPathEnv) -> Methods:
-        """A fused gate|up product through silu(gate) * up in one call (the vector builds)."""
+        """A fused gate|up product through silu(gate) * up in one call (the vector builds), the
+        products' kernels called here up to the rows they take."""
         if env.cpu_ops is None or self.ops is None or self.fused_gate_up is None:
             return {}
         silu_mul_halves = self.ops.silu_mul_halves
+        up_fn, up_operands, up_rows, gate_up = kernel_call(self.fused_gate_up.fused, env)
+        down_fn, down_operands, down_rows, down = kernel_call(self.down_proj, env)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:  # children looked up at each call, as above
-            return self.down_proj.forward(silu_mul_halves(self.fused_gate_up.fused.forward(x)))  # type: ignore[no-any-return]
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            rows = x.shape[0]
+            h = silu_mul_halves(up_fn(x, *up_operands) if rows <= up_rows else gate_up.forward(x))
+            return down_fn(h, *down_operands) if rows <= down_rows else down.forward(h)  # type: ignore[no-any-return]
         return {"forward": forward}
 
 
-class LlamaDecoderLayer(DirectCall, nn.Module):
+class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
     """Pre-norm attention and MLP. A family with other attention (q/k norms, no RoPE on some
     layers, partial rotary) is a subclass that names its class in `attention_for`; one with
     another MLP (routed experts) names it in `mlp_for`."""
@@ -267,6 +286,25 @@ class LlamaDecoderLayer(DirectCall, nn.Module):
         h, residual = self.post_attention_layernorm.add_forward(self.self_attn.forward(h, positions, rope, ctx),
                                                                 residual)
         return self.mlp.forward(h), residual
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """The norms' kernels called here, where both norms run RMSNorm's fast form (the blocks
+        between them are called as they are bound): two calls a layer fewer."""
+        norms = [n.norm_ops(env) if runs_fast_form_of(n, RMSNorm) else None
+                 for n in (self.input_layernorm, self.post_attention_layernorm)]
+        if norms[0] is None or norms[1] is None:
+            return {}
+        (rms_norm, add_first, w_first, eps_first), (_, add_second, w_second, eps_second) = norms
+
+        def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
+                    residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+            if residual is None:
+                residual, h = x, rms_norm(x, w_first, eps_first)
+            else:
+                h = add_first(x, residual, w_first, eps_first)  # adds into residual
+            h = add_second(self.self_attn.forward(h, positions, rope, ctx), residual, w_second, eps_second)
+            return self.mlp.forward(h), residual
+        return {"forward": forward}
 
 
 def make_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:

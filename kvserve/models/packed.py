@@ -33,6 +33,7 @@ reference quantizers do.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -42,7 +43,7 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.models import kquants
-from kvserve.modules import DirectCall, FastPath, FastPathEnv
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall
 
 BLOCK = 32  # weights a block of Q8_0 / Q4_0 / Q4_1 (and of Q5_0, Q5_1, IQ4_NL; K-quants have 256)
 FEW_ROWS = 8  # up to this many rows the packed kernel; beyond, dequantize and the dense GEMM
@@ -175,6 +176,21 @@ def quantize(w: torch.Tensor, fmt: BlockFormat) -> PackedWeight:
     return PackedWeight(fmt, blocks.reshape(n, -1).contiguous(), (n, k))
 
 
+def rows_forward(module: nn.Module, call: Optional[KernelCall]) -> dict[str, Callable[..., torch.Tensor]]:
+    """The fast forward of a packed linear with this kernel call: fp32 rows it takes straight to
+    it, anything else the module's eager forward ({} where there is no call)."""
+    if call is None:
+        return {}
+    fn, operands, most, _ = call
+    eager = type(module).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] <= most:
+            return fn(x, *operands)
+        return eager(module, x)  # type: ignore[no-any-return]
+    return {"forward": forward}
+
+
 class PackedLinear(DirectCall, FastPath, nn.Module):
     """nn.Linear over a packed weight (bias, if any, in the model's dtype)."""
 
@@ -198,20 +214,17 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
             y = F.linear(x2, self._dense_weight(x.dtype), self.bias)
         return y.reshape(*lead, self.out_features)
 
-    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
-        """Decode's few fp32 rows straight to the kernel, its operands looked up once (a buffer
-        read through nn.Module.__getattr__ costs about as much as the call); the rest eager."""
+    def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
+        """The kernel that takes decode's few fp32 rows on env, its operands looked up once (a
+        buffer read through nn.Module.__getattr__ costs about as much as the call); None: none."""
         if env.device.type != "cpu" or self.kernel is None:
-            return {}
-        product, qweight, ggml_type, k, bias = self.kernel.linear_quant, self.qweight, self.fmt.ggml_type, \
-            self.in_features, self.bias
-        eager, few_rows = type(self).forward, self.fmt.kernel_rows
+            return None
+        return KernelCall(self.kernel.linear_quant, (self.qweight, self.fmt.ggml_type, self.in_features, self.bias),
+                          self.fmt.kernel_rows, self)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.shape[0] <= few_rows and x.dtype == torch.float32:
-                return product(x, qweight, ggml_type, k, bias)  # type: ignore[no-any-return]
-            return eager(self, x)
-        return {"forward": forward}
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """Decode's few fp32 rows straight to the kernel; the rest eager."""
+        return rows_forward(self, self.kernel_call(env))
 
     def _few_row_kernel(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and self.kernel is not None
@@ -257,17 +270,14 @@ class PackedLinearQ8(PackedLinear):
         return self.q8.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,  # type: ignore[no-any-return]
                                  self.bias)
 
-    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
-        """fp32 rows straight to the kernel, its operands looked up once; the rest eager."""
-        product, qweight, ggml_type, k, n, bias = self.q8.linear_q8, self.qweight, self.fmt.ggml_type, \
-            self.in_features, self.out_features, self.bias
-        eager = type(self).forward
+    def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
+        """linear_q8 takes fp32 rows of any count."""
+        return KernelCall(self.q8.linear_q8, (self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,
+                                              self.bias), math.inf, self)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.dtype == torch.float32:
-                return product(x, qweight, ggml_type, k, n, bias)  # type: ignore[no-any-return]
-            return eager(self, x)
-        return {"forward": forward}
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """fp32 rows straight to the kernel; the rest eager."""
+        return rows_forward(self, self.kernel_call(env))
 
     def gguf_rows(self, index: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The weight's GGUF rows [N, row bytes], or those `index` names."""
@@ -304,17 +314,14 @@ class PackedLinearQ8Rows(PackedLinear):
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernel.linear_q8(x, self.qweight, self.fmt.ggml_type, self.in_features, self.bias)  # type: ignore[no-any-return]
 
-    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
-        """fp32 rows straight to the kernel, its operands looked up once; the rest eager."""
-        product, qweight, ggml_type, k, bias = self.kernel.linear_q8, self.qweight, self.fmt.ggml_type, \
-            self.in_features, self.bias
-        eager = type(self).forward
+    def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
+        """linear_kquant's linear_q8 takes fp32 rows of any count."""
+        return KernelCall(self.kernel.linear_q8, (self.qweight, self.fmt.ggml_type, self.in_features, self.bias),
+                          math.inf, self)
 
-        def forward(x: torch.Tensor) -> torch.Tensor:
-            if x.dim() == 2 and x.dtype == torch.float32:
-                return product(x, qweight, ggml_type, k, bias)  # type: ignore[no-any-return]
-            return eager(self, x)
-        return {"forward": forward}
+    def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
+        """fp32 rows straight to the kernel; the rest eager."""
+        return rows_forward(self, self.kernel_call(env))
 
 
 def use_int8_activations(model: nn.Module) -> None:

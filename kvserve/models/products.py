@@ -33,7 +33,7 @@ from kvserve import kernels
 from kvserve.config import BF16_CPU_FLAGS, DTYPE_BYTES
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows, PackedWeight
-from kvserve.modules import DirectCall, FastPath, FastPathEnv
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall
 
 QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}  # --weight-dtype: the format float matrices are packed to
 PATHS = ("int8", "float", "dense")
@@ -186,15 +186,27 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x.to(self.dense_dtype), self.dense_weight,  # type: ignore[no-any-return]
                                                   self.dense_bias, "none", [], "")
 
+    def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
+        """The held module's kernel call, up to the threshold."""
+        call = self.packed.kernel_call(env)
+        return None if call is None else call._replace(rows=min(call.rows, self.threshold), module=self)
+
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
-        """The held module's bound product up to the threshold (bound first: children bind
-        before parents), the dense copy above it."""
+        """The held module's kernel call up to the threshold (called here: one frame fewer than
+        its forward), the dense product above it."""
+        call = self.kernel_call(env)
+        if call is None:
+            return {}
+        fn, operands, few, _ = call
         packed, threshold, dense = self.packed, self.threshold, self._dense
         eager = type(self).forward
 
-        def forward(x: torch.Tensor) -> torch.Tensor:  # packed's forward looked up at each call, as its parents do
+        def forward(x: torch.Tensor) -> torch.Tensor:
             if x.dim() == 2 and x.dtype == torch.float32:
-                return packed.forward(x) if x.shape[0] <= threshold else dense(x).float()  # type: ignore[no-any-return]
+                rows = x.shape[0]
+                if rows <= few:
+                    return fn(x, *operands)  # type: ignore[no-any-return]
+                return packed.forward(x) if rows <= threshold else dense(x).float()  # type: ignore[no-any-return]
             return eager(self, x)
         return {"forward": forward}
 
