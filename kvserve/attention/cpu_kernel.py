@@ -91,19 +91,32 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
     def fast_forward(self, layer: int, group: int, scale: float, softcap: Optional[float],
                      storage: Optional[KVStorage]) -> Optional[Callable[..., torch.Tensor]]:
         """A step whose rows are all plain decodes (no chunk, no sinks) writes its K/V and calls
-        the kernel for this storage (looked up once here) on the layer's operands (asked for at
-        each call: a storage may replace its tensors as it grows): what `forward` does for such a
-        step, on the same arguments; any other step takes `forward`."""
+        the kernel for this storage (looked up once here) on the layer's operands: settled once
+        where the storage's tensors stay put (KVStorage.fixed_decode), else asked for at each
+        call; what `forward` does for such a step, on the same arguments. Any other step takes
+        `forward`."""
         if storage is None or softcap is not None:
             return None
-        kernel, operands, write, eager = decode_kernel(self.module, storage), storage.decode_operands, \
-            storage.write, self.forward
+        kernel, eager = decode_kernel(self.module, storage), self.forward
+        fixed = storage.fixed_decode(layer)
+        if fixed is None:
+            operands, write = storage.decode_operands, storage.write
 
-        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> torch.Tensor:
+            def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> torch.Tensor:
+                meta = ctx.metadata[group]
+                if not meta.plain_decode:
+                    return eager(layer, q, k, v, ctx.storage, meta, scale, softcap)
+                write(layer, k, v, meta.kv_write_plan)  # what write_kv does where a step has slots
+                return kernel(q.contiguous(), *operands(layer), meta.decode_block_tables, meta.decode_context_lens,
+                              scale, meta.sliding_window or 0)
+            return forward
+        store, fixed_operands = fixed
+
+        def fixed_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: Any) -> torch.Tensor:
             meta = ctx.metadata[group]
             if not meta.plain_decode:
                 return eager(layer, q, k, v, ctx.storage, meta, scale, softcap)
-            write(layer, k, v, meta.kv_write_plan)  # what write_kv does where a step has slots
-            return kernel(q.contiguous(), *operands(layer), meta.decode_block_tables, meta.decode_context_lens, scale,
+            store(meta.kv_write_plan, k, v)
+            return kernel(q.contiguous(), *fixed_operands, meta.decode_block_tables, meta.decode_context_lens, scale,
                           meta.sliding_window or 0)
-        return forward
+        return fixed_forward

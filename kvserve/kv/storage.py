@@ -28,10 +28,11 @@ group holding the block. The last block is the null block.
 
 from __future__ import annotations
 
+import functools
 import mmap
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -81,6 +82,13 @@ class KVStorage(ABC):
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         """What a decode kernel reads of the layer, in the order the kernel of this storage's
         `kind` takes them after q (the attention backend chooses the kernel by kind)."""
+
+    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """(write, operands) for a layer whose tensors stay where they are: write(plan, k, v) does
+        what write(layer, k, v, plan) does in one compiled call, and operands are
+        decode_operands(layer). A fast path settles them once. None (the default): ask write and
+        decode_operands at each call (a storage whose tensors grow, or without the kernel)."""
+        return None
 
     @abstractmethod
     def copy_blocks(self, pairs: BlockPairs) -> None:
@@ -221,13 +229,18 @@ class DenseKVStorage(BlockTensorStorage):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
-        rounds = self.dtype == torch.bfloat16 and k.dtype == torch.float32  # the kernel rounds as .to() does
-        if (self.ops is not None and k.dtype == v.dtype and (k.dtype == self.dtype or rounds)
-                and k.stride(1) == v.stride(1) == k.shape[2]):
+        if self.ops is not None:  # any float dtype and layout, converted as .to() converts
             self.ops.store_kv(t["k"], t["v"], plan, k, v)
             return
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))
         t["v"].view(-1, *v.shape[1:]).index_put_((plan,), v.to(self.dtype))
+
+    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """The CPU kernel's write into this layer's K and V, made once (its tensors never move)."""
+        if self.ops is None or self.layer_to_tensor[layer] is None:
+            return None
+        t = self.layer_tensors(layer)
+        return functools.partial(self.ops.store_kv, t["k"], t["v"]), (t["k"], t["v"])
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.layer_tensors(layer)

@@ -138,10 +138,28 @@ def test_store_kv_rounds_fp32_into_a_bf16_cache_as_torch_does(ops):
     assert torch.equal(got.view(torch.int16)[~want.isnan()], want.view(torch.int16)[~want.isnan()])
     assert got.isnan().equal(want.isnan())
     assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(torch.bfloat16))
-    with pytest.raises(RuntimeError, match="of the cache's dtype"):  # fp16 is not rounded into bf16
-        ops.store_kv(kc, vc, slots, k.half(), v.half())
-    with pytest.raises(RuntimeError, match="of the cache's dtype"):  # nor bf16 into fp32
-        ops.store_kv(torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64), slots, k.bfloat16(), v.bfloat16())
+
+
+def test_store_kv_converts_other_dtypes_and_layouts_as_torch_does(ops):
+    """What the torch write does (.to(the cache's dtype), then index_put_) for rows of another
+    float dtype (fp16 into bf16, bf16 into fp32) or another layout (heads not contiguous); rows
+    that are not floats are refused by name."""
+    slots = torch.tensor([3, 40, 41, 100, 127])
+    g = torch.Generator().manual_seed(0)
+    cases = [(torch.bfloat16, torch.float16, False), (torch.float32, torch.bfloat16, False),
+             (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, True)]
+    for cache_dtype, row_dtype, strided in cases:
+        kc, vc = (torch.zeros(8, 16, 3, 64, dtype=cache_dtype) for _ in range(2))
+        k, v = (torch.randn(5, 64, 3, generator=g).transpose(1, 2) if strided else torch.randn(5, 3, 64, generator=g)
+                for _ in range(2))
+        k, v = k.to(row_dtype), v.to(row_dtype)
+        assert k.stride(2) != 1 if strided else k.is_contiguous()
+        ops.store_kv(kc, vc, slots, k, v)
+        assert torch.equal(kc.view(-1, 3, 64)[slots], k.to(cache_dtype)), (cache_dtype, row_dtype, strided)
+        assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(cache_dtype)), (cache_dtype, row_dtype, strided)
+    kc, vc = torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64)
+    with pytest.raises(RuntimeError, match="floating dtype"):
+        ops.store_kv(kc, vc, slots, torch.ones(5, 3, 64, dtype=torch.int32), torch.ones(5, 3, 64, dtype=torch.int32))
 
 
 def test_argmax_rows_is_torchs_max_indices(ops):

@@ -11,8 +11,9 @@
 //   silu_mul(g [T, I], u [T, I])          silu(g) * u
 //   silu_mul_halves(gu [T, 2 I])          silu_mul of its two halves
 //   store_kv(kc, vc [slots..., KVH, D], slots [T], k, v [T, KVH, D])
-//                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write;
-//                                         fp32 k, v into a bf16 cache are rounded as .to(bf16))
+//                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write:
+//                                         k, v of any floating dtype and layout, converted as
+//                                         .to(cache dtype) converts; fp32 into bf16 rounded as copied)
 //   argmax_rows(x [R, V])                 x.max(-1).indices   (fp32; the AVX-512 build only)
 //
 // Each rounds where the torch expression it replaces rounds: arithmetic on scalar_t (c10's
@@ -295,17 +296,27 @@ inline void store_row(uint8_t* dst, const uint8_t* src, int64_t n, int64_t bytes
   for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
 }
 
+// k, v as the rows store_row copies: the cache's dtype (fp32 into a bf16 cache is rounded as it is
+// copied), each token's heads contiguous. Other dtypes are converted as .to() converts and other
+// layouts copied first (what the torch write, .to() and index_put_, does with them).
+at::Tensor as_rows(at::Tensor x, const at::Tensor& kc, bool round) {
+  if (x.scalar_type() != kc.scalar_type() && !round) x = x.to(kc.scalar_type());
+  if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
+  return x;
+}
+
 void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3
-              && kc.scalar_type() == vc.scalar_type(), "contiguous caches alike");
+              && kc.scalar_type() == vc.scalar_type() && kc.device().is_cpu(), "contiguous CPU caches alike");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "int64 slots [T]");
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
-  const bool round = kc.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kFloat;
   for (const auto* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->stride(2) == 1 &&
-                x->stride(1) == D && x->device().is_cpu() && x->scalar_type() == k.scalar_type() &&
-                (x->scalar_type() == kc.scalar_type() || round),
-                "k, v [T, KVH, D] of the cache's dtype (or fp32 into a bf16 cache), each token's heads contiguous");
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->device().is_cpu() &&
+                x->scalar_type() == k.scalar_type() && at::isFloatingType(x->scalar_type()),
+                "k, v [T, KVH, D] of one floating dtype on CPU");
+  const bool round = kc.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kFloat;
+  k = as_rows(k, kc, round);
+  v = as_rows(v, kc, round);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t n = KVH * D, row = n * kc.element_size();
   auto* kd = static_cast<uint8_t*>(kc.data_ptr());
