@@ -94,7 +94,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         the kernel for this storage (looked up once here) on the layer's operands: settled once
         where the storage's tensors stay put (KVStorage.fixed_decode), else asked for at each
         call; what `forward` does for such a step, on the same arguments. Any other step takes
-        `forward`."""
+        `forward`. (The kernel makes q contiguous itself where it is not.)"""
         if storage is None or softcap is not None:
             return None
         kernel, eager = decode_kernel(self.module, storage), self.forward
@@ -117,6 +117,6 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
             if not meta.plain_decode:
                 return eager(layer, q, k, v, ctx.storage, meta, scale, softcap)
             store(meta.kv_write_plan, k, v)
-            return kernel(q.contiguous(), *fixed_operands, meta.decode_block_tables, meta.decode_context_lens, scale,
+            return kernel(q, *fixed_operands, meta.decode_block_tables, meta.decode_context_lens, scale,
                           meta.sliding_window or 0)
         return fixed_forward
