@@ -107,8 +107,8 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
                 if not meta.plain_decode:
                     return eager(layer, q, k, v, ctx.storage, meta, scale, softcap)
                 write(layer, k, v, meta.kv_write_plan)  # what write_kv does where a step has slots
-                return kernel(q.contiguous(), *operands(layer), meta.decode_block_tables, meta.decode_context_lens,
-                              scale, meta.sliding_window or 0)
+                return kernel(q.contiguous(), *operands(layer), meta.decode_block_tables,
+                              meta.decode_context_lens, scale, meta.sliding_window or 0)
             return forward
         store, fixed_operands = fixed
 

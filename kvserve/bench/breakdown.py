@@ -109,7 +109,8 @@ class StepBreakdown:
 
     def _wrap(self, owner: Any, attr: str, name: str) -> None:
         """Time owner's `attr` (a class's method, or a function in a module instance's dict)."""
-        original: Callable[..., Any] = getattr(owner, attr) if isinstance(owner, ModuleType) else owner.__dict__[attr]
+        extension = isinstance(owner, ModuleType)
+        original: Callable[..., Any] = getattr(owner, attr) if extension else owner.__dict__[attr]
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from kvserve.models.linear import Linear
 from kvserve.modules import DirectCall, FastPath, FastPathEnv, kernel_call, runs_fast_form_of
 
 Methods = dict[str, Callable[..., Any]]
+Kernel = Callable[..., torch.Tensor]
 
 
 class RMSNorm(DirectCall, FastPath, nn.Module):
@@ -50,8 +51,7 @@ class RMSNorm(DirectCall, FastPath, nn.Module):
         residual = residual + x
         return self.forward(residual), residual
 
-    def norm_ops(self, env: FastPathEnv) -> Optional[tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor],
-                                                            torch.Tensor, float]]:
+    def norm_ops(self, env: FastPathEnv) -> Optional[tuple[Kernel, Kernel, torch.Tensor, float]]:
         """(rms_norm, add_rms_norm, weight, eps) where activations are in the weight's dtype on CPU
         with the kernels: forward(x) is rms_norm(x, weight, eps) for 2-D x, and add_forward(x,
         residual) is (add_rms_norm(x, residual, weight, eps), residual). None: the eager forms."""
@@ -212,7 +212,8 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
             q, k, v = rope_qkv(qkv_fn(x, *qkv_operands) if rows <= qkv_rows else qkv.forward(x), cos, sin,
                                heads, kv_heads)
             out = self.attn.forward(q, k, v, ctx).flatten(1)
-            return o_fn(out, *o_operands) if rows <= o_rows else o_proj.forward(out)  # type: ignore[no-any-return]
+            y = o_fn(out, *o_operands) if rows <= o_rows else o_proj.forward(out)
+            return y  # type: ignore[no-any-return]
         return {"forward": forward}
 
 
@@ -249,7 +250,8 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
         def forward(x: torch.Tensor) -> torch.Tensor:
             rows = x.shape[0]
             h = silu_mul_halves(up_fn(x, *up_operands) if rows <= up_rows else gate_up.forward(x))
-            return down_fn(h, *down_operands) if rows <= down_rows else down.forward(h)  # type: ignore[no-any-return]
+            y = down_fn(h, *down_operands) if rows <= down_rows else down.forward(h)
+            return y  # type: ignore[no-any-return]
         return {"forward": forward}
 
 
@@ -290,11 +292,11 @@ class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
     def fast_methods(self, env: FastPathEnv) -> Methods:
         """The norms' kernels called here, where both norms run RMSNorm's fast form (the blocks
         between them are called as they are bound): two calls a layer fewer."""
-        norms = [n.norm_ops(env) if runs_fast_form_of(n, RMSNorm) else None
-                 for n in (self.input_layernorm, self.post_attention_layernorm)]
-        if norms[0] is None or norms[1] is None:
+        first, second = (n.norm_ops(env) if runs_fast_form_of(n, RMSNorm) else None
+                         for n in (self.input_layernorm, self.post_attention_layernorm))
+        if first is None or second is None:
             return {}
-        (rms_norm, add_first, w_first, eps_first), (_, add_second, w_second, eps_second) = norms
+        (rms_norm, add_first, w_first, eps_first), (_, add_second, w_second, eps_second) = first, second
 
         def forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
                     residual: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:

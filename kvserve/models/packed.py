@@ -219,8 +219,8 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
         buffer read through nn.Module.__getattr__ costs about as much as the call); None: none."""
         if env.device.type != "cpu" or self.kernel is None:
             return None
-        return KernelCall(self.kernel.linear_quant, (self.qweight, self.fmt.ggml_type, self.in_features, self.bias),
-                          self.fmt.kernel_rows, self)
+        operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
+        return KernelCall(self.kernel.linear_quant, operands, self.fmt.kernel_rows, self)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """Decode's few fp32 rows straight to the kernel; the rest eager."""
@@ -272,8 +272,8 @@ class PackedLinearQ8(PackedLinear):
 
     def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
         """linear_q8 takes fp32 rows of any count."""
-        return KernelCall(self.q8.linear_q8, (self.qweight, self.fmt.ggml_type, self.in_features, self.out_features,
-                                              self.bias), math.inf, self)
+        operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.out_features, self.bias)
+        return KernelCall(self.q8.linear_q8, operands, math.inf, self)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""
@@ -316,8 +316,8 @@ class PackedLinearQ8Rows(PackedLinear):
 
     def kernel_call(self, env: FastPathEnv) -> Optional[KernelCall]:
         """linear_kquant's linear_q8 takes fp32 rows of any count."""
-        return KernelCall(self.kernel.linear_q8, (self.qweight, self.fmt.ggml_type, self.in_features, self.bias),
-                          math.inf, self)
+        operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
+        return KernelCall(self.kernel.linear_q8, operands, math.inf, self)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""

@@ -150,8 +150,8 @@ def test_store_kv_converts_other_dtypes_and_layouts_as_torch_does(ops):
              (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, True)]
     for cache_dtype, row_dtype, strided in cases:
         kc, vc = (torch.zeros(8, 16, 3, 64, dtype=cache_dtype) for _ in range(2))
-        k, v = (torch.randn(5, 64, 3, generator=g).transpose(1, 2) if strided else torch.randn(5, 3, 64, generator=g)
-                for _ in range(2))
+        k, v = (torch.randn(5, 64, 3, generator=g).transpose(1, 2) if strided
+                else torch.randn(5, 3, 64, generator=g) for _ in range(2))
         k, v = k.to(row_dtype), v.to(row_dtype)
         assert k.stride(2) != 1 if strided else k.is_contiguous()
         ops.store_kv(kc, vc, slots, k, v)
@@ -159,7 +159,8 @@ def test_store_kv_converts_other_dtypes_and_layouts_as_torch_does(ops):
         assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(cache_dtype)), (cache_dtype, row_dtype, strided)
     kc, vc = torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64)
     with pytest.raises(RuntimeError, match="floating dtype"):
-        ops.store_kv(kc, vc, slots, torch.ones(5, 3, 64, dtype=torch.int32), torch.ones(5, 3, 64, dtype=torch.int32))
+        ints = torch.ones(5, 3, 64, dtype=torch.int32)
+        ops.store_kv(kc, vc, slots, ints, ints)
 
 
 def test_argmax_rows_is_torchs_max_indices(ops):
