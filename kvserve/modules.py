@@ -67,9 +67,13 @@ class KernelCall(NamedTuple):
 
 def kernel_call(module: Any, env: "FastPathEnv") -> KernelCall:
     """The module's KernelCall where env's activations are fp32 and it has one (a method
-    `kernel_call(env)` that does not return None), else its forward as the call (bound first:
+    `kernel_call(env)` that does not return None, defined where its forward is or below: a
+    subclass that redefines forward alone keeps it), else its forward as the call (bound first:
     children bind before parents)."""
-    own = getattr(module, "kernel_call", None) if env.dtype == torch.float32 else None
+    cls = type(module)
+    own_call = _definer(cls, "kernel_call") is not None and issubclass(_definer(cls, "kernel_call"),
+                                                                        _definer(cls, "forward"))
+    own = getattr(module, "kernel_call", None) if env.dtype == torch.float32 and own_call else None
     call = own(env) if own is not None else None
     return call if call is not None else KernelCall(module.forward, (), math.inf, module)
 
@@ -104,11 +108,13 @@ class FastPath:
         return tuple(self.__dict__.get("_fast_bound", ()))
 
 
-def runs_fast_form_of(module: Any, cls: type) -> bool:
-    """Whether the module runs cls's own fast form: some method bound, and fast_methods not
-    redefined below cls (so every bound method is defined at cls or above it: the fast form
-    means what cls's does). A parent that inlines such a module's kernels asks this first."""
-    return bool(getattr(module, "fast_bound", ())) and _definer(type(module), "fast_methods") is cls
+def runs_fast_form_of(module: Any, cls: type, methods: tuple[str, ...]) -> bool:
+    """Whether the module runs cls's own fast form of these methods: each bound, and fast_methods
+    not redefined below cls (a method is bound only where it is defined at the fast form's class
+    or above it, so each means what cls's does). A parent that calls such a module's kernels in
+    place of these methods asks this first."""
+    bound = getattr(module, "fast_bound", ())
+    return all(m in bound for m in methods) and _definer(type(module), "fast_methods") is cls
 
 
 def _definer(cls: type, name: str) -> Any:

@@ -94,7 +94,7 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         the kernel for this storage (looked up once here) on the layer's operands: settled once
         where the storage's tensors stay put (KVStorage.fixed_decode), else asked for at each
         call; what `forward` does for such a step, on the same arguments. Any other step takes
-        `forward`. (The kernel makes q contiguous itself where it is not.)"""
+        `forward`. (The kernel reads q through a contiguous copy where it is not contiguous.)"""
         if storage is None or softcap is not None:
             return None
         kernel, eager = decode_kernel(self.module, storage), self.forward

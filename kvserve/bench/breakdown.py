@@ -10,7 +10,8 @@ Given the engine, the methods its model's fast path bound in its modules' place 
 are timed too, in the part of the method they stand for, and so are the compiled kernels: the
 fast path calls some of them from its blocks directly (a product's kernel from the attention
 block), so the kernels' functions are wrapped and the fast path bound again to take the wrapped
-ones (and again on exit, to take the originals).
+ones (and again on exit, to take the originals). The wrapped kernels are the process's: another
+engine bound while the breakdown is open keeps them until it is bound again.
 
 A timed call nested in another counts for itself only (the head's product inside sampling is
 matmul, not sampling). The timers cost about a microsecond a call, a few hundred calls a step.
@@ -63,11 +64,19 @@ class StepBreakdown:
         self.engine = engine
         self.model = engine.model if engine is not None else None
         self.totals: dict[str, float] = defaultdict(float)
-        self.calls: dict[str, int] = defaultdict(int)  # timed calls by part
+        self.calls: dict[str, int] = defaultdict(int)  # timed calls by part (a bound product and its kernel: 2)
         self._children: list[float] = []
         self._restore: list[tuple[Any, str, Any]] = []
 
     def __enter__(self) -> "StepBreakdown":
+        try:
+            self._wrap_all()
+        except BaseException:
+            self.__exit__()  # nothing left wrapped
+            raise
+        return self
+
+    def _wrap_all(self) -> None:
         from kvserve.engine.llm_engine import LLMEngine
         parts = _parts()
         for name, methods in parts.items():
@@ -83,7 +92,6 @@ class StepBreakdown:
                              if any(isinstance(module, cls) and attr == a for cls, a in methods)), None)
                 if name is not None:
                     self._wrap(module, attr, name)
-        return self
 
     def __exit__(self, *exc: Any) -> None:
         for owner, attr, original in reversed(self._restore):

@@ -229,7 +229,7 @@ class DenseKVStorage(BlockTensorStorage):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
-        if self.ops is not None:  # any float dtype and layout, converted as .to() converts
+        if self.ops is not None:  # K and V of any float dtypes and layouts, converted as .to() converts
             self.ops.store_kv(t["k"], t["v"], plan, k, v)
             return
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))

@@ -292,7 +292,8 @@ class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
     def fast_methods(self, env: FastPathEnv) -> Methods:
         """The norms' kernels called here, where both norms run RMSNorm's fast form (the blocks
         between them are called as they are bound): two calls a layer fewer."""
-        first, second = (n.norm_ops(env) if runs_fast_form_of(n, RMSNorm) else None
+        replaced = ("forward", "add_forward")
+        first, second = (n.norm_ops(env) if runs_fast_form_of(n, RMSNorm, replaced) else None
                          for n in (self.input_layernorm, self.post_attention_layernorm))
         if first is None or second is None:
             return {}

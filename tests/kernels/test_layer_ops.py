@@ -142,21 +142,23 @@ def test_store_kv_rounds_fp32_into_a_bf16_cache_as_torch_does(ops):
 
 def test_store_kv_converts_other_dtypes_and_layouts_as_torch_does(ops):
     """What the torch write does (.to(the cache's dtype), then index_put_) for rows of another
-    float dtype (fp16 into bf16, bf16 into fp32) or another layout (heads not contiguous); rows
-    that are not floats are refused by name."""
+    float dtype (fp16 into bf16, bf16 into fp32, K and V of different dtypes) or another layout
+    (heads not contiguous); rows that are not floats are refused by name."""
     slots = torch.tensor([3, 40, 41, 100, 127])
     g = torch.Generator().manual_seed(0)
-    cases = [(torch.bfloat16, torch.float16, False), (torch.float32, torch.bfloat16, False),
-             (torch.float32, torch.float32, True), (torch.bfloat16, torch.float32, True)]
-    for cache_dtype, row_dtype, strided in cases:
+    f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
+    cases = [(bf16, f16, f16, False), (f32, bf16, bf16, False), (f32, f32, f32, True), (bf16, f32, f32, True),
+             (bf16, f32, bf16, False), (f16, bf16, f32, True)]  # cache, k, v dtypes; heads strided
+    for cache_dtype, k_dtype, v_dtype, strided in cases:
         kc, vc = (torch.zeros(8, 16, 3, 64, dtype=cache_dtype) for _ in range(2))
         k, v = (torch.randn(5, 64, 3, generator=g).transpose(1, 2) if strided
                 else torch.randn(5, 3, 64, generator=g) for _ in range(2))
-        k, v = k.to(row_dtype), v.to(row_dtype)
+        k, v = k.to(k_dtype), v.to(v_dtype)
         assert k.stride(2) != 1 if strided else k.is_contiguous()
         ops.store_kv(kc, vc, slots, k, v)
-        assert torch.equal(kc.view(-1, 3, 64)[slots], k.to(cache_dtype)), (cache_dtype, row_dtype, strided)
-        assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(cache_dtype)), (cache_dtype, row_dtype, strided)
+        case = (cache_dtype, k_dtype, v_dtype, strided)
+        assert torch.equal(kc.view(-1, 3, 64)[slots], k.to(cache_dtype)), case
+        assert torch.equal(vc.view(-1, 3, 64)[slots], v.to(cache_dtype)), case
     kc, vc = torch.zeros(8, 16, 3, 64), torch.zeros(8, 16, 3, 64)
     with pytest.raises(RuntimeError, match="floating dtype"):
         ints = torch.ones(5, 3, 64, dtype=torch.int32)

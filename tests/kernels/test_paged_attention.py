@@ -158,3 +158,19 @@ def test_heads_per_kv_head_head_dims_and_block_sizes(module, fmt, heads, d):
             with torch_threads(threads):
                 out = kernel(q, *storage.decode_operands(0), tables, lens, d ** -0.5, window)
             assert (out - ref).abs().max().item() < 1e-5, (bs, window, threads)
+
+
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "int8"])
+def test_queries_of_any_layout_give_row_major_outputs(module, fmt):
+    """q as a strided view (heads permuted in memory, or every other row of a wider tensor): the
+    kernel reads a contiguous copy and writes its output row-major, equal to the contiguous q's."""
+    H, KVH, D = SHAPES["d64"]
+    storage, table = filled(fmt, KVH, D, 700)
+    tables, lens = table.expand(3, -1).contiguous(), torch.tensor([700, 300, 17])
+    g = torch.Generator().manual_seed(3)
+    kernel = decode_kernel(module, storage)
+    for q in (torch.randn(H, 3, D, generator=g).transpose(0, 1), torch.randn(6, H, D, generator=g)[::2]):
+        assert not q.is_contiguous()
+        out = kernel(q, *storage.decode_operands(0), tables, lens, D ** -0.5, 0)
+        assert out.is_contiguous() and torch.equal(out, kernel(q.contiguous(), *storage.decode_operands(0), tables,
+                                                               lens, D ** -0.5, 0))

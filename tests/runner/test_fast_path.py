@@ -77,6 +77,24 @@ def test_smollm2_fast_path_equals_the_eager_modules(smollm2):
         assert_same(runs)
 
 
+def test_smollm2_defaults_fast_path_equals_the_eager_modules_above_the_dense_threshold(smollm2):
+    """The defaults' products (packed activations auto): steps of more rows than DenseAbove's
+    threshold take its dense path (the AMX tiles, or a bf16 copy) in both runs."""
+    from kvserve.models.products import DenseAbove
+    ids = smollm2.tokenizer.encode("The cache keeps the keys and values of every token it has seen. " * 12)
+    prompts = [ids[:90], ids[:70]]
+    runs = {}
+    for fast in (True, False):
+        engine = make_engine(smollm2, max_num_seqs=4, max_num_batched_tokens=256, packed_activations="auto")
+        dense = [m for m in engine.model.modules() if isinstance(m, DenseAbove)]
+        if not dense:
+            pytest.skip("the defaults keep no dense path on this CPU (no bf16 instructions, or kernels off)")
+        assert len(prompts[0]) + len(prompts[1]) > max(m.threshold for m in dense)  # the first step's rows
+        bound = engine.runner.use_fast_path(fast)
+        runs[fast] = run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True)), bound
+    assert_same(runs)
+
+
 HF_COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                  max_position_embeddings=512, rms_norm_eps=1e-6, head_dim=16)
 HF_MODELS = {
@@ -140,6 +158,42 @@ def test_a_subclass_that_redefines_a_method_keeps_it_eager():
     assert redefined.bind(env) == [] and redefined(torch.zeros(1)).item() == 2
     base.unbind()
     assert "forward" not in base.__dict__ and base.fast_bound == ()
+
+
+def test_a_subclass_that_redefines_forward_is_called_through_it():
+    """kernel_call takes a module's own kernel call only where forward is defined where the call
+    is (or above it); runs_fast_form_of only where each replaced method is bound from cls's form."""
+    from kvserve.models.llama import RMSNorm
+    from kvserve.modules import KernelCall, kernel_call, runs_fast_form_of
+    env = FastPathEnv(torch.device("cpu"), torch.float32)
+
+    class Product(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+        def kernel_call(self, env):
+            return KernelCall(torch.mul, (2,), 8, self)
+
+    class Redefined(Product):
+        def forward(self, x):
+            return x * 3
+
+    assert kernel_call(Product(), env).fn is torch.mul
+    redefined = Redefined()
+    assert kernel_call(redefined, env).fn == redefined.forward
+    assert kernel_call(Product(), FastPathEnv(torch.device("cpu"), torch.bfloat16)).fn != torch.mul
+
+    class OwnAdd(RMSNorm):
+        def add_forward(self, x, residual):
+            return super().add_forward(x, residual)
+
+    ops = kernels.load("layer_ops")
+    env = FastPathEnv(torch.device("cpu"), torch.float32, ops)
+    norm, own_add = RMSNorm(8, 1e-6), OwnAdd(8, 1e-6)
+    norm.bind(env), own_add.bind(env)
+    replaced = ("forward", "add_forward")
+    assert runs_fast_form_of(norm, RMSNorm, replaced) == (ops is not None)
+    assert not runs_fast_form_of(own_add, RMSNorm, replaced)
 
 
 def test_children_are_bound_before_their_parents():

@@ -296,11 +296,16 @@ inline void store_row(uint8_t* dst, const uint8_t* src, int64_t n, int64_t bytes
   for (; i < n; ++i) y[i] = c10::BFloat16(x[i]);
 }
 
-// k, v as the rows store_row copies: the cache's dtype (fp32 into a bf16 cache is rounded as it is
-// copied), each token's heads contiguous. Other dtypes are converted as .to() converts and other
-// layouts copied first (what the torch write, .to() and index_put_, does with them).
-at::Tensor as_rows(at::Tensor x, const at::Tensor& kc, bool round) {
-  if (x.scalar_type() != kc.scalar_type() && !round) x = x.to(kc.scalar_type());
+// Whether store_row rounds x's fp32 rows into a bf16 cache as it copies them.
+bool rounds_into(const at::Tensor& x, const at::Tensor& cache) {
+  return cache.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kFloat;
+}
+
+// x as the rows store_row copies: the cache's dtype (or fp32 rows it rounds into bf16), each
+// token's heads contiguous. Other dtypes are converted as .to() converts and other layouts copied
+// first (what the torch write, .to() and index_put_, does with them).
+at::Tensor as_rows(at::Tensor x, const at::Tensor& cache) {
+  if (x.scalar_type() != cache.scalar_type() && !rounds_into(x, cache)) x = x.to(cache.scalar_type());
   if (x.stride(2) != 1 || x.stride(1) != x.size(2)) x = x.contiguous();
   return x;
 }
@@ -312,11 +317,10 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->device().is_cpu() &&
-                x->scalar_type() == k.scalar_type() && at::isFloatingType(x->scalar_type()),
-                "k, v [T, KVH, D] of one floating dtype on CPU");
-  const bool round = kc.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kFloat;
-  k = as_rows(k, kc, round);
-  v = as_rows(v, kc, round);
+                at::isFloatingType(x->scalar_type()), "k, v [T, KVH, D] of a floating dtype on CPU");
+  k = as_rows(k, kc);
+  v = as_rows(v, vc);
+  const bool round_k = rounds_into(k, kc), round_v = rounds_into(v, vc);
   const int64_t* sp = slots.data_ptr<int64_t>();
   const int64_t n = KVH * D, row = n * kc.element_size();
   auto* kd = static_cast<uint8_t*>(kc.data_ptr());
@@ -335,8 +339,8 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
       __builtin_prefetch(vd + sp[t] * row + at, 1);
     }
   for (int64_t t = 0; t < T; ++t) {
-    store_row(kd + sp[t] * row, ks + t * lk, n, row, round);
-    store_row(vd + sp[t] * row, vs + t * lv, n, row, round);
+    store_row(kd + sp[t] * row, ks + t * lk, n, row, round_k);
+    store_row(vd + sp[t] * row, vs + t * lv, n, row, round_v);
   }
 }
 

@@ -868,7 +868,8 @@ Call prepare(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tab
   TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lengths");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
-  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), at::empty_like(q), q.size(0), q.size(1),
+  // out in q's shape, row-major whatever q's strides (empty_like(q) would keep a permuted q's order)
+  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), at::empty(q.sizes(), q.options()), q.size(0), q.size(1),
          q.size(2), cache.size(1), cache.size(2), window};
   TORCH_CHECK(c.D == head_dim && c.H % c.KVH == 0 && c.D <= 256, "shape mismatch");
   return c;
