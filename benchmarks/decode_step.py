@@ -45,7 +45,6 @@ KERNEL_PARTS = {
     "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv"),
     "layer ops": ("rms_norm", "add_rms_norm", "rope_qkv", "rotate_halves", "silu_mul", "silu_mul_halves"),
 }
-KERNELS = ("linear_q8", "linear_quant", "linear_bf16", "linear_kquant", "layer_ops", "paged_attention")
 # engine methods timed (exclusive of what is timed inside them), by part; missing ones are skipped
 METHODS = {
     "scheduler": [("kvserve.core.scheduler", "Scheduler", ("schedule", "update"))],
@@ -130,22 +129,15 @@ def instrument(timers: Timers, engine: Any) -> None:
     """Wrap the engine's methods and every kernel function, then bind the fast path again so
     its closures take the wrapped kernels."""
     import importlib
-    from kvserve import kernels
+    from kvserve.bench.breakdown import kernel_functions
     for part, entries in METHODS.items():
         for module, cls_name, attrs in entries:
             cls = getattr(importlib.import_module(module), cls_name)
             for attr in attrs:
                 if attr in cls.__dict__:
                     timers.wrap(cls, attr, part)
-    seen: set[int] = set()
-    for name in KERNELS:
-        module = kernels.load(name)
-        if module is None or id(module) in seen:
-            continue
-        seen.add(id(module))
-        for attr in dir(module):
-            if not attr.startswith("_") and callable(getattr(module, attr)) and attr not in ("isa",):
-                timers.wrap(module, attr, kernel_part(attr))
+    for module, attr in kernel_functions():
+        timers.wrap(module, attr, kernel_part(attr))
     for m in engine.runner.model.modules():  # a packed linear's AMX tiles product, held by the module
         if callable(getattr(m, "tiles", None)):
             timers.wrap(m, "tiles", "products")

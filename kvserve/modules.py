@@ -70,9 +70,8 @@ def kernel_call(module: Any, env: "FastPathEnv") -> KernelCall:
     `kernel_call(env)` that does not return None, defined where its forward is or below: a
     subclass that redefines forward alone keeps it), else its forward as the call (bound first:
     children bind before parents)."""
-    cls = type(module)
-    own_call = _definer(cls, "kernel_call") is not None and issubclass(_definer(cls, "kernel_call"),
-                                                                        _definer(cls, "forward"))
+    call_definer = _definer(type(module), "kernel_call")
+    own_call = call_definer is not None and issubclass(call_definer, _definer(type(module), "forward"))
     own = getattr(module, "kernel_call", None) if env.dtype == torch.float32 and own_call else None
     call = own(env) if own is not None else None
     return call if call is not None else KernelCall(module.forward, (), math.inf, module)

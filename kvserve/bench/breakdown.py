@@ -22,7 +22,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from types import ModuleType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 def _parts() -> dict[str, list[tuple[type, str]]]:
@@ -55,6 +55,22 @@ KERNEL_PARTS = {
     "norms": ("rms_norm", "add_rms_norm"),
     "rope": ("rope_qkv", "rotate_halves"),
 }
+
+
+def kernel_functions() -> Iterator[tuple[ModuleType, str]]:
+    """(module, name) of each function of each compiled kernel loaded here (its one build this
+    CPU runs; `isa` left out): what a timer wraps to see the kernels the fast path calls."""
+    from kvserve import kernels
+    from kvserve.kernels.levels import KERNEL_ISAS
+    seen: set[int] = set()
+    for name in KERNEL_ISAS:
+        module = kernels.load(name)
+        if module is None or id(module) in seen:
+            continue
+        seen.add(id(module))
+        for attr in dir(module):
+            if not attr.startswith("_") and attr != "isa" and callable(getattr(module, attr)):
+                yield module, attr
 
 
 class StepBreakdown:
@@ -102,18 +118,10 @@ class StepBreakdown:
             self.engine.runner.use_fast_path(True)  # the original kernels again
 
     def _wrap_kernels(self) -> None:
-        from kvserve import kernels
-        from kvserve.kernels.levels import KERNEL_ISAS
         part_of = {fn: part for part, fns in KERNEL_PARTS.items() for fn in fns}
-        seen: set[int] = set()
-        for name in KERNEL_ISAS:
-            module = kernels.load(name)
-            if module is None or id(module) in seen:
-                continue
-            seen.add(id(module))
-            for fn in dir(module):
-                if fn in part_of:
-                    self._wrap(module, fn, part_of[fn])
+        for module, fn in kernel_functions():
+            if fn in part_of:
+                self._wrap(module, fn, part_of[fn])
 
     def _wrap(self, owner: Any, attr: str, name: str) -> None:
         """Time owner's `attr` (a class's method, or a function in a module instance's dict)."""

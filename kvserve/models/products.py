@@ -199,10 +199,7 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
             return {}
         fn, operands, few, _ = call
         packed, threshold, dense, tiles = self.packed, self.threshold, self._dense, self.tiles
-        # the tiles' operands looked up once (a packed module's buffer is found by
-        # nn.Module.__getattr__, about a microsecond a call)
-        tile_operands = (packed.qweight, packed.fmt.ggml_type, self.in_features, self.out_features,
-                         packed.bias)
+        # the tiles exist for a PackedLinearQ8 only (bf16_tiles) and take linear_q8's operands
         eager = type(self).forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -212,7 +209,7 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
                     return fn(x, *operands)  # type: ignore[no-any-return]
                 if rows <= threshold:
                     return packed.forward(x)  # type: ignore[no-any-return]
-                y = tiles(x, *tile_operands) if tiles is not None else dense(x).float()
+                y = tiles(x, *operands) if tiles is not None else dense(x).float()
                 return y  # type: ignore[no-any-return]
             return eager(self, x)
         return {"forward": forward}
