@@ -46,15 +46,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _chunk_view(self, span: PrefillSpan, storage: Optional[KVStorage],
                     meta: AttentionMetadata) -> Optional[ChunkView]:
-        """A chunk that starts its sequence attends to its fresh K/V where the cache would give
-        the same numbers back (or there is no cache): causally (None), or through a mask where a
-        window is shorter than the chunk. Otherwise it reads what the storage says, from the
-        first block a window reaches (and the sinks' blocks)."""
+        """A chunk that starts its sequence attends to its fresh K/V where the cache gives them
+        back as a cast (KVStorage.reads_back_as: the same numbers, without gathering them), or
+        there is no cache: causally (None), or through a mask where a window is shorter than the
+        chunk. Otherwise it reads what the storage says, from the first block a window reaches
+        (and the sinks' blocks)."""
         start, bs = span.context_len - span.q_len, self.block_size
         window, sinks = meta.sliding_window, meta.sinks
         device = span.block_table.device if span.block_table is not None else torch.device("cpu")
         q_pos = torch.arange(start, span.context_len, device=device).unsqueeze(1)
-        if span.block_table is None or storage is None or (start == 0 and storage.reads_back_exactly(self.dtype)):
+        if span.block_table is None or storage is None or (start == 0 and storage.reads_back_as() is not None):
             if window is None or window >= span.q_len:
                 return None
             k_pos = torch.arange(span.q_len, device=device)
@@ -150,9 +151,17 @@ class TorchAttentionBackend(AttentionBackend):
     def _chunk(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                storage: Optional[KVStorage], span: PrefillSpan, view: Optional[ChunkView],
                scale: float, softcap: Optional[float], q_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if view is None or not view.from_cache:  # the chunk's own fresh K/V
-            return _attend_3d(q, k, v, None if view is None else view.mask, scale, softcap,
-                              q_sink, None if view is None else view.sink_columns)
+        """A chunk's output, in the dtype it attended in (the caller's rows of the output take it
+        in q's dtype: one conversion)."""
+        mask, sink_columns = (None, None) if view is None else (view.mask, view.sink_columns)
+        written_out = softcap is not None or sink_columns is not None or q_sink is not None
+        if view is None or not view.from_cache:  # the chunk's own fresh K/V, as the cache gives them back
+            cast = storage.reads_back_as() if storage is not None and span.block_table is not None else None
+            if cast is None or cast == k.dtype:
+                return _attend_3d(q, k, v, mask, scale, softcap, q_sink, sink_columns)
+            k, v = k.to(cast), v.to(cast)
+            dtype = chunk_dtype(q, k, written_out)
+            return _attend_3d(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, softcap, q_sink, sink_columns)
         assert storage is not None and span.block_table is not None
         offset = view.read_from * self.block_size
         keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],
@@ -162,10 +171,9 @@ class TorchAttentionBackend(AttentionBackend):
             sk, sv = storage.gather(layer, sink_table, self.block_size)
             keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
             values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
-        written_out = softcap is not None or view.sink_columns is not None or q_sink is not None
         dtype = chunk_dtype(q, keys, written_out)
         return _attend_3d(q.to(dtype), keys.to(dtype), values.to(dtype), view.mask, scale, softcap, q_sink,
-                          view.sink_columns).to(q.dtype)
+                          view.sink_columns)
 
 
 def chunk_dtype(q: torch.Tensor, keys: torch.Tensor, written_out: bool) -> torch.dtype:

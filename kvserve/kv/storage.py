@@ -106,10 +106,15 @@ class KVStorage(ABC):
         """Blocks nobody holds any more; a storage with per-block state drops it."""
 
     # ---- what a multi-token chunk attends to ----
+    def reads_back_as(self) -> Optional[torch.dtype]:
+        """The dtype whose cast (`.to(dtype)`) of K/V written is exactly what reading them back
+        gives, or None where a read gives back something else (quantized formats): then a chunk
+        that starts its sequence attends to its fresh K/V so cast, without reading the cache."""
+        return None
+
     def reads_back_exactly(self, dtype: torch.dtype) -> bool:
-        """Whether K/V read back equal K/V written (in `dtype`): then a chunk that starts its
-        sequence can attend to its fresh K/V without reading the cache."""
-        return False
+        """Whether K/V read back equal K/V written (in `dtype`)."""
+        return self.reads_back_as() == dtype
 
     def chunk_view(self, start: int, q_len: int, device: torch.device) -> ChunkView:
         """Once per step and chunk: which version of each K/V the chunk's queries see. A query
@@ -220,8 +225,8 @@ class DenseKVStorage(BlockTensorStorage):
     def v(self) -> list[torch.Tensor]:
         return [t["v"] for t in self.tensors]
 
-    def reads_back_exactly(self, dtype: torch.dtype) -> bool:
-        return self.dtype == dtype
+    def reads_back_as(self) -> Optional[torch.dtype]:
+        return self.dtype  # a write converts as .to(dtype) does (store_kv; copy_ elsewhere)
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
