@@ -49,17 +49,21 @@ class TorchAttentionBackend(AttentionBackend):
         """A chunk that starts its sequence attends to its fresh K/V where the cache gives them
         back as a cast (KVStorage.reads_back_as: the same numbers, without gathering them), or
         there is no cache: causally (None), or through a mask where a window is shorter than the
-        chunk. Otherwise it reads what the storage says, from the first block a window reaches
-        (and the sinks' blocks)."""
+        chunk or sinks are scored apart (the view the cache would give, sink columns included).
+        Otherwise it reads what the storage says, from the first block a window reaches (and the
+        sinks' blocks)."""
         start, bs = span.context_len - span.q_len, self.block_size
         window, sinks = meta.sliding_window, meta.sinks
         device = span.block_table.device if span.block_table is not None else torch.device("cpu")
         q_pos = torch.arange(start, span.context_len, device=device).unsqueeze(1)
-        if span.block_table is None or storage is None or (start == 0 and storage.reads_back_as() is not None):
-            if window is None or window >= span.q_len:
+        fresh = span.block_table is None or storage is None or start == 0 and storage.reads_back_as() is not None
+        if fresh:
+            if not sinks and (window is None or window >= span.q_len):
                 return None
             k_pos = torch.arange(span.q_len, device=device)
-            mask = (k_pos <= q_pos) & _in_window(k_pos, q_pos, window, sinks)
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= _in_window(k_pos, q_pos, window, sinks)
             return ChunkView(mask, from_cache=False, key_positions=k_pos,
                              sink_columns=k_pos < sinks if sinks else None)
         read_from = 0
@@ -161,7 +165,8 @@ class TorchAttentionBackend(AttentionBackend):
                 return _attend_3d(q, k, v, mask, scale, softcap, q_sink, sink_columns)
             k, v = k.to(cast), v.to(cast)
             dtype = chunk_dtype(q, k, written_out)
-            return _attend_3d(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, softcap, q_sink, sink_columns)
+            return _attend_3d(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, softcap, q_sink,
+                              sink_columns)
         assert storage is not None and span.block_table is not None
         offset = view.read_from * self.block_size
         keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],

@@ -22,7 +22,7 @@ swapped and forked row by row (BlockTensorStorage).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -39,8 +39,8 @@ class LatentKVStorage(BlockTensorStorage):
         super().__init__(layer_to_tensor, num_blocks, block_size, {"kv": (shape, dtype)}, device)
         self.kv_lora_rank, self.rope_dim, self.dtype = kv_lora_rank, rope_dim, dtype
 
-    def reads_back_exactly(self, dtype: torch.dtype) -> bool:
-        return self.dtype == dtype
+    def reads_back_as(self) -> Optional[torch.dtype]:
+        return self.dtype  # rows written as .to(dtype); values are the rows' latent part
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         """The rows and the latent's width (the CPU kernel's mla_decode)."""
@@ -78,8 +78,8 @@ class QuantLatentKVStorage(LatentKVStorage):
         self.kind, self.format = ("latent_int8" if fmt == "int8" else "latent_fp8"), fmt
         self.table = None if fmt == "int8" else quant.fp8_table(fmt).to(self.device)  # the kernel's code values
 
-    def reads_back_exactly(self, dtype: torch.dtype) -> bool:
-        return False
+    def reads_back_as(self) -> Optional[torch.dtype]:
+        return None  # quantized rows
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         """Codes, scales and the latent's width (mla_decode_int8), and the fp8 code values (mla_decode_fp8)."""

@@ -107,9 +107,9 @@ class KVStorage(ABC):
 
     # ---- what a multi-token chunk attends to ----
     def reads_back_as(self) -> Optional[torch.dtype]:
-        """The dtype whose cast (`.to(dtype)`) of K/V written is exactly what reading them back
-        gives, or None where a read gives back something else (quantized formats): then a chunk
-        that starts its sequence attends to its fresh K/V so cast, without reading the cache."""
+        """The dtype whose cast (`.to(dtype)`) of the K/V written is exactly what reading them
+        back gives (a chunk that starts its sequence then attends to its fresh K/V so cast,
+        without reading the cache), or None: a quantized format gives back something else."""
         return None
 
     def reads_back_exactly(self, dtype: torch.dtype) -> bool:
@@ -226,7 +226,7 @@ class DenseKVStorage(BlockTensorStorage):
         return [t["v"] for t in self.tensors]
 
     def reads_back_as(self) -> Optional[torch.dtype]:
-        return self.dtype  # a write converts as .to(dtype) does (store_kv; copy_ elsewhere)
+        return self.dtype  # a write stores .to(dtype) (store_kv converts as it does; index_put_ elsewhere)
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)

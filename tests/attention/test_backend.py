@@ -251,14 +251,15 @@ def test_prompts_attend_over_a_bf16_cache_in_bf16(stories, monkeypatch, cache, a
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float16"])
-@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("window, sinks", [(None, 0), (6, 0), (6, 2)], ids=["full", "window", "window-sinks"])
 def test_a_prompt_over_a_cast_cache_attends_to_its_fresh_kv_as_the_cache_gives_them(stories, monkeypatch,
-                                                                                   cache, window):
+                                                                                   cache, window, sinks):
     """A chunk that starts its sequence over a bf16 or fp16 cache of fp32 K/V attends to its own
     K/V cast to the cache's dtype instead of gathering them back from the blocks it just wrote:
-    every logit equals the gathered path's bit for bit (whole prompts; with a window shorter than
-    the prompt; after the first chunk the rest read the cache), and the cache is read only where a
-    chunk does not start its sequence."""
+    every logit equals the gathered path's bit for bit, prompts whole or in chunks of 5 (the
+    chunks after the first read the cache), with a window shorter than the prompts, and with
+    attention sinks (scored apart, so attended in fp32 either way); the cache is read only where
+    a chunk does not start its sequence."""
     from kvserve.kv.storage import DenseKVStorage
     from tests.conftest import greedy, run_collecting_logits
     prompts = [stories.tokenizer.encode("Once upon a time there was a little girl named Lily who loved"),
@@ -269,23 +270,25 @@ def test_a_prompt_over_a_cast_cache_attends_to_its_fresh_kv_as_the_cache_gives_t
     def counting(self, *args, **kwargs):
         reads.append(args[2])  # the cached positions the chunk reads before its own
         return chunk_context(self, *args, **kwargs)
-    monkeypatch.setattr(DenseKVStorage, "chunk_context", counting)
-    options = dict(kv_cache_dtype=cache, sliding_window=window)
     for chunk in (None, 5):
         runs = {}
         for fresh in (True, False):
-            if not fresh:  # the path before: every chunk gathers its K/V back from the cache
-                monkeypatch.setattr(DenseKVStorage, "reads_back_as", lambda self: None)
-            reads.clear()
-            engine = make_engine(stories, max_prefill_chunk=chunk, max_num_batched_tokens=16, **options)
-            outs, logits = run_collecting_logits(engine, prompts, greedy(6))
-            runs[fresh] = (outs, logits, list(reads))
-            monkeypatch.undo()
-            monkeypatch.setattr(DenseKVStorage, "chunk_context", counting)
+            with monkeypatch.context() as patch:
+                patch.setattr(DenseKVStorage, "chunk_context", counting)
+                if not fresh:  # the path before: every chunk gathers its K/V back from the cache
+                    patch.setattr(DenseKVStorage, "reads_back_as", lambda self: None)
+                reads.clear()
+                engine = make_engine(stories, kv_cache_dtype=cache, sliding_window=window, attention_sinks=sinks,
+                                     max_prefill_chunk=chunk, max_num_batched_tokens=64 if chunk is None else 16)
+                outs, logits = run_collecting_logits(engine, prompts, greedy(6))
+                runs[fresh] = (outs, logits, list(reads))
         (outs, logits, fresh_reads), (old_outs, old_logits, old_reads) = runs[True], runs[False]
         assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in old_outs]
-        for rid, old_rid in zip((o.request_id for o in outs), (o.request_id for o in old_outs)):
-            assert all(torch.equal(a, b) for a, b in zip(logits[rid], old_logits[old_rid], strict=True))
+        for out, old in zip(outs, old_outs):
+            assert all(torch.equal(a, b) for a, b in zip(logits[out.request_id], old_logits[old.request_id],
+                                                          strict=True))
         assert 0 not in fresh_reads and 0 in old_reads  # no chunk starting its sequence gathers
-        if chunk is not None:
-            assert fresh_reads and all(r > 0 for r in fresh_reads)  # later chunks still read the cache
+        if chunk is None:
+            assert not fresh_reads  # whole prompts: nothing read back
+        else:
+            assert fresh_reads  # later chunks still read the cache

@@ -95,3 +95,19 @@ def test_memory_report_sets_the_latent_beside_gqa_and_mha(capsys):
     assert main(["memory", "--model", "deepseek-v2", "--kv-cache-dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "60 x (512 latent + 64 rotary key) x 16/8 = 69,120 bytes" in out and "GQA with 8 KV heads" in out
+
+
+def test_a_float_latent_cache_reads_back_the_cast_of_its_rows():
+    """A bf16 latent cache gives back exactly its cast of the fp32 rows written, so a chunk that
+    starts its sequence may attend to its fresh rows so cast (reads_back_as); quantized latents
+    give back something else and say so."""
+    storage = LatentKVStorage([0], 2, BS, RANK, ROPE, torch.bfloat16, "cpu")
+    assert storage.reads_back_as() == torch.bfloat16 and storage.reads_back_exactly(torch.bfloat16)
+    assert not storage.reads_back_exactly(torch.float32)
+    rows = torch.randn(BS + 3, 1, RANK + ROPE, generator=torch.Generator().manual_seed(1))
+    storage.write(0, rows, rows[..., :RANK], torch.arange(BS + 3))
+    keys, values = storage.gather(0, torch.tensor([[0, 1]]), BS)
+    assert torch.equal(keys[0, :BS + 3], rows.to(torch.bfloat16))
+    assert torch.equal(values[0, :BS + 3], rows[..., :RANK].to(torch.bfloat16))
+    for fmt in ("int8", "fp8_e4m3"):
+        assert make_latent_storage(kv_format(fmt).kind, fmt, [0], 2, BS, RANK, ROPE, "cpu").reads_back_as() is None
