@@ -56,7 +56,8 @@ class TorchAttentionBackend(AttentionBackend):
         window, sinks = meta.sliding_window, meta.sinks
         device = span.block_table.device if span.block_table is not None else torch.device("cpu")
         q_pos = torch.arange(start, span.context_len, device=device).unsqueeze(1)
-        fresh = span.block_table is None or storage is None or start == 0 and storage.reads_back_as() is not None
+        fresh = (span.block_table is None or storage is None
+                 or start == 0 and storage.reads_back_as() is not None)
         if fresh:
             if not sinks and (window is None or window >= span.q_len):
                 return None

@@ -278,8 +278,9 @@ def test_a_prompt_over_a_cast_cache_attends_to_its_fresh_kv_as_the_cache_gives_t
                 if not fresh:  # the path before: every chunk gathers its K/V back from the cache
                     patch.setattr(DenseKVStorage, "reads_back_as", lambda self: None)
                 reads.clear()
-                engine = make_engine(stories, kv_cache_dtype=cache, sliding_window=window, attention_sinks=sinks,
-                                     max_prefill_chunk=chunk, max_num_batched_tokens=64 if chunk is None else 16)
+                engine = make_engine(stories, kv_cache_dtype=cache, sliding_window=window,
+                                     attention_sinks=sinks, max_prefill_chunk=chunk,
+                                     max_num_batched_tokens=64 if chunk is None else 16)
                 outs, logits = run_collecting_logits(engine, prompts, greedy(6))
                 runs[fresh] = (outs, logits, list(reads))
         (outs, logits, fresh_reads), (old_outs, old_logits, old_reads) = runs[True], runs[False]

@@ -110,4 +110,5 @@ def test_a_float_latent_cache_reads_back_the_cast_of_its_rows():
     assert torch.equal(keys[0, :BS + 3], rows.to(torch.bfloat16))
     assert torch.equal(values[0, :BS + 3], rows[..., :RANK].to(torch.bfloat16))
     for fmt in ("int8", "fp8_e4m3"):
-        assert make_latent_storage(kv_format(fmt).kind, fmt, [0], 2, BS, RANK, ROPE, "cpu").reads_back_as() is None
+        quantized = make_latent_storage(kv_format(fmt).kind, fmt, [0], 2, BS, RANK, ROPE, "cpu")
+        assert quantized.reads_back_as() is None
