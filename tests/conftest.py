@@ -144,4 +144,37 @@ def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list
     return [done[i] for i in ids], {i: logits[i] for i in ids}
 
 
+def fresh_and_gathered(monkeypatch: Any, storage_cls: type, make: Any, prompts: list, params: Any) -> dict:
+    """Run the prompts on make()'s engine twice: as it is (fresh: a chunk that starts its sequence
+    attends to its own K/V, cast as the cache gives them back) and with storage_cls naming no such
+    dtype (gathered: every chunk reads its K/V back from the cache). {True: fresh, False:
+    gathered}, each (outputs, logits, the cached positions each chunk_context call read before
+    its chunk)."""
+    runs = {}
+    chunk_context = storage_cls.chunk_context
+    for fresh in (True, False):
+        reads: list[int] = []
+
+        def counting(self: Any, *args: Any, reads: list = reads, **kwargs: Any) -> Any:
+            reads.append(args[2])
+            return chunk_context(self, *args, **kwargs)
+        with monkeypatch.context() as patch:
+            patch.setattr(storage_cls, "chunk_context", counting)
+            if not fresh:
+                patch.setattr(storage_cls, "reads_back_as", lambda self: None)
+            runs[fresh] = (*run_collecting_logits(make(), prompts, params), reads)
+    return runs
+
+
+def assert_same_logits(a: tuple, b: tuple) -> None:
+    """Two runs of the same prompts (fresh_and_gathered's) gave the same tokens and every logit
+    bit for bit."""
+    import torch
+    (outs, logits, _), (other_outs, other_logits, _) = a, b
+    for out, other in zip(outs, other_outs, strict=True):
+        assert out.outputs[0].token_ids == other.outputs[0].token_ids
+        assert all(torch.equal(x, y) for x, y in zip(logits[out.request_id], other_logits[other.request_id],
+                                                      strict=True))
+
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -162,24 +162,20 @@ class TorchAttentionBackend(AttentionBackend):
         written_out = softcap is not None or sink_columns is not None or q_sink is not None
         if view is None or not view.from_cache:  # the chunk's own fresh K/V, as the cache gives them back
             cast = storage.reads_back_as() if storage is not None and span.block_table is not None else None
-            if cast is None or cast == k.dtype:
-                return _attend_3d(q, k, v, mask, scale, softcap, q_sink, sink_columns)
-            k, v = k.to(cast), v.to(cast)
-            dtype = chunk_dtype(q, k, written_out)
-            return _attend_3d(q.to(dtype), k.to(dtype), v.to(dtype), mask, scale, softcap, q_sink,
-                              sink_columns)
-        assert storage is not None and span.block_table is not None
-        offset = view.read_from * self.block_size
-        keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],
-                                             span.context_len - span.q_len - offset, k, v)
-        if view.num_sinks:
-            sink_table = span.block_table[:cdiv(view.num_sinks, self.block_size)]
-            sk, sv = storage.gather(layer, sink_table, self.block_size)
-            keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
-            values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
+            keys, values = (k, v) if cast is None else (k.to(cast), v.to(cast))
+        else:
+            assert storage is not None and span.block_table is not None
+            offset = view.read_from * self.block_size
+            keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],
+                                                 span.context_len - span.q_len - offset, k, v)
+            if view.num_sinks:
+                sink_table = span.block_table[:cdiv(view.num_sinks, self.block_size)]
+                sk, sv = storage.gather(layer, sink_table, self.block_size)
+                keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
+                values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
         dtype = chunk_dtype(q, keys, written_out)
-        return _attend_3d(q.to(dtype), keys.to(dtype), values.to(dtype), view.mask, scale, softcap, q_sink,
-                          view.sink_columns)
+        return _attend_3d(q.to(dtype), keys.to(dtype), values.to(dtype), mask, scale, softcap, q_sink,
+                          sink_columns)
 
 
 def chunk_dtype(q: torch.Tensor, keys: torch.Tensor, written_out: bool) -> torch.dtype:

@@ -256,40 +256,23 @@ def test_a_prompt_over_a_cast_cache_attends_to_its_fresh_kv_as_the_cache_gives_t
                                                                                    cache, window, sinks):
     """A chunk that starts its sequence over a bf16 or fp16 cache of fp32 K/V attends to its own
     K/V cast to the cache's dtype instead of gathering them back from the blocks it just wrote:
-    every logit equals the gathered path's bit for bit, prompts of 6 to over 100 tokens whole or in
-    chunks of 5 (the chunks after the first read the cache), with a window shorter than the prompts, and with
-    attention sinks (scored apart, so attended in fp32 either way); the cache is read only where
-    a chunk does not start its sequence."""
+    every logit equals the gathered path's bit for bit, prompts of 6 to over 100 tokens whole or
+    in chunks of 5 (the chunks after the first read the cache), with a window shorter than the
+    prompts, and with attention sinks (scored apart, so attended in fp32 either way); the cache is
+    read only where a chunk does not start its sequence."""
     from kvserve.kv.storage import DenseKVStorage
-    from tests.conftest import greedy, run_collecting_logits
+    from tests.conftest import assert_same_logits, fresh_and_gathered, greedy
     long_text = " ".join(["Lily went to the park with her mom and saw a big red ball."] * 8)
     prompts = [stories.tokenizer.encode("Once upon a time there was a little girl named Lily who loved"),
                stories.tokenizer.encode("The dog ran to the park"), stories.tokenizer.encode(long_text)]
     assert len(prompts[2]) > 96  # past one query block of the fused attention
-    reads = []
-    chunk_context = DenseKVStorage.chunk_context
-
-    def counting(self, *args, **kwargs):
-        reads.append(args[2])  # the cached positions the chunk reads before its own
-        return chunk_context(self, *args, **kwargs)
     for chunk in (None, 5):
-        runs = {}
-        for fresh in (True, False):
-            with monkeypatch.context() as patch:
-                patch.setattr(DenseKVStorage, "chunk_context", counting)
-                if not fresh:  # the path before: every chunk gathers its K/V back from the cache
-                    patch.setattr(DenseKVStorage, "reads_back_as", lambda self: None)
-                reads.clear()
-                engine = make_engine(stories, kv_cache_dtype=cache, sliding_window=window,
-                                     attention_sinks=sinks, max_prefill_chunk=chunk,
-                                     max_num_batched_tokens=256 if chunk is None else 16)
-                outs, logits = run_collecting_logits(engine, prompts, greedy(6))
-                runs[fresh] = (outs, logits, list(reads))
-        (outs, logits, fresh_reads), (old_outs, old_logits, old_reads) = runs[True], runs[False]
-        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in old_outs]
-        for out, old in zip(outs, old_outs):
-            assert all(torch.equal(a, b) for a, b in zip(logits[out.request_id], old_logits[old.request_id],
-                                                          strict=True))
+        def make():
+            return make_engine(stories, kv_cache_dtype=cache, sliding_window=window, attention_sinks=sinks,
+                               max_prefill_chunk=chunk, max_num_batched_tokens=256 if chunk is None else 16)
+        runs = fresh_and_gathered(monkeypatch, DenseKVStorage, make, prompts, greedy(6))
+        assert_same_logits(runs[True], runs[False])
+        fresh_reads, old_reads = runs[True][2], runs[False][2]
         assert 0 not in fresh_reads and 0 in old_reads  # no chunk starting its sequence gathers
         if chunk is None:
             assert not fresh_reads  # whole prompts: nothing read back

@@ -287,30 +287,17 @@ def test_fresh_chunks_over_a_bf16_latent_cache_attend_to_their_rows_cast(pair, m
     """An fp32 model over a bf16 latent cache, prompts in chunks mixed with decodes (the absorbed
     form): a chunk that starts its sequence attends to its fresh rows cast to bf16, not gathered
     back, and every logit equals the gathered path's bit for bit."""
+    from tests.conftest import assert_same_logits, fresh_and_gathered
     name, _, loaded = pair
     if name != ENGINE_CONFIGS[0]:
         pytest.skip("one config is enough")
-    reads = []
-    chunk_context = LatentKVStorage.chunk_context
 
-    def counting(self, *args, **kwargs):
-        reads.append(args[2])  # the cached positions the chunk reads before its own
-        return chunk_context(self, *args, **kwargs)
-    runs = {}
-    for fresh in (True, False):
-        with monkeypatch.context() as patch:
-            patch.setattr(LatentKVStorage, "chunk_context", counting)
-            if not fresh:  # every chunk gathers its rows back from the cache
-                patch.setattr(LatentKVStorage, "reads_back_as", lambda self: None)
-            reads.clear()
-            engine = make_engine(loaded, block_size=4, num_blocks=64, max_model_len=64,
-                                 kv_cache_dtype="bfloat16", max_num_batched_tokens=12)
-            runs[fresh] = (*run_collecting_logits(engine, prompts(), greedy(6, ignore_eos=True)), list(reads))
-    (outs, logits, fresh_reads), (old_outs, old_logits, old_reads) = runs[True], runs[False]
-    for out, old in zip(outs, old_outs):
-        assert out.outputs[0].token_ids == old.outputs[0].token_ids
-        assert all(torch.equal(a, b) for a, b in zip(logits[out.request_id], old_logits[old.request_id],
-                                                      strict=True))
+    def make():
+        return make_engine(loaded, block_size=4, num_blocks=64, max_model_len=64, kv_cache_dtype="bfloat16",
+                           max_num_batched_tokens=12)
+    runs = fresh_and_gathered(monkeypatch, LatentKVStorage, make, prompts(), greedy(6, ignore_eos=True))
+    assert_same_logits(runs[True], runs[False])
+    fresh_reads, old_reads = runs[True][2], runs[False][2]
     assert 0 in old_reads and 0 not in fresh_reads and fresh_reads  # later chunks still read the cache
 
 
