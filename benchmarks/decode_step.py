@@ -5,7 +5,8 @@ processing and the engine's own bookkeeping).
 
 SmolLM2-135M-Instruct Q4_1 (the default GGUF, 30 layers), greedy decodes of B requests from
 prompts of 32 tokens (`--prompt-len`), with packed activations int8 and float (`--acts`; auto:
-the defaults' policy, AMX tiles above 24 rows), on 2 and 1 threads, B = 1, 16, 64.
+the defaults' policy, AMX tiles above 24 rows), on 2 and 1 threads, B = 1, 16, 64, over the
+engine's default KV cache or another format (`--kv-cache-dtype`).
 For each: the plain step time (median over the steps, nothing timed inside) and, over the same
 number of further steps, each part's own time, timed by wrapping the engine's methods and every
 function of the compiled kernels (in this script only; `--clock cpu` times this thread's CPU time, which a
@@ -42,7 +43,8 @@ PROMPT_LEN, WARMUP = 32, 6  # the prompt's tokens by default, steps before timin
 KERNEL_PARTS = {
     "products": ("linear_q8", "linear_quant", "linear_bf16", "linear_few_rows", "linear",
                  "linear_bf16_tiles"),
-    "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv"),
+    "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv",
+                  "store_kv_int8"),
     "layer ops": ("rms_norm", "add_rms_norm", "rope_qkv", "rotate_halves", "silu_mul", "silu_mul_halves"),
 }
 # engine methods timed (exclusive of what is timed inside them), by part; missing ones are skipped
@@ -144,12 +146,14 @@ def instrument(timers: Timers, engine: Any) -> None:
     engine.runner.use_fast_path(True)
 
 
-def make_engine(loaded: Any, acts: str, batch: int, max_tokens: int, prompt_len: int) -> Any:
+def make_engine(loaded: Any, acts: str, batch: int, max_tokens: int, prompt_len: int,
+                kv_cache_dtype: Optional[str] = None) -> Any:
     from kvserve.engine.llm_engine import LLMEngine
     blocks_per_seq = (prompt_len + max_tokens) // 16 + 2
+    cache = {} if kv_cache_dtype is None else {"kv_cache_dtype": kv_cache_dtype}
     return LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, packed_activations=acts,
                                   num_blocks=batch * blocks_per_seq + 8, max_num_seqs=max(batch, 1),
-                                  max_model_len=prompt_len + max_tokens + 16)
+                                  max_model_len=prompt_len + max_tokens + 16, **cache)
 
 
 def greedy_params(max_tokens: int) -> Any:
@@ -167,12 +171,12 @@ def trimmed(values: list[float]) -> list[int]:
 
 
 def measure(loaded: Any, acts: str, threads: int, batch: int, steps: int,
-            prompt_len: int = PROMPT_LEN) -> dict:
+            prompt_len: int = PROMPT_LEN, kv_cache_dtype: Optional[str] = None) -> dict:
     """One configuration: plain step times, then the parts over as many timed steps."""
     import torch
     torch.set_num_threads(threads)
     max_tokens = WARMUP + 2 * steps + 8
-    engine = make_engine(loaded, acts, batch, max_tokens, prompt_len)
+    engine = make_engine(loaded, acts, batch, max_tokens, prompt_len, kv_cache_dtype)
     for i in range(batch):
         engine.add_request(None, [(37 * i + 11 * j) % 5000 + 100 for j in range(prompt_len)],
                            greedy_params(max_tokens))
@@ -217,10 +221,10 @@ def measure(loaded: Any, acts: str, threads: int, batch: int, steps: int,
 
 
 def run_all(acts_list: list[str], threads_list: list[int], batches: list[int], steps: int,
-            prompt_len: int = PROMPT_LEN) -> list[dict]:
+            prompt_len: int = PROMPT_LEN, kv_cache_dtype: Optional[str] = None) -> list[dict]:
     from kvserve.models.registry import load_weights
     loaded = load_weights("SmolLM2-135M-Instruct")
-    return [measure(loaded, acts, threads, batch, steps, prompt_len)
+    return [measure(loaded, acts, threads, batch, steps, prompt_len, kv_cache_dtype)
             for acts in acts_list for threads in threads_list for batch in batches]
 
 
@@ -269,6 +273,7 @@ def main() -> None:
     p.add_argument("--batch", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="tokens of each sequence's prompt")
+    p.add_argument("--kv-cache-dtype", default=None, help="the KV cache's format (default: the engine's)")
     p.add_argument("--clock", choices=list(CLOCKS), default="wall",
                    help="wall time, or this thread's CPU time (on a loaded machine; exact for 1 thread only: "
                         "kernel threads other than the caller's are not counted)")
@@ -280,16 +285,19 @@ def main() -> None:
             "--steps", str(a.steps)]
     if a.prompt_len != PROMPT_LEN:  # (revisions before the option take the default only)
         argv += ["--prompt-len", str(a.prompt_len)]
+    if a.kv_cache_dtype is not None:  # (likewise)
+        argv += ["--kv-cache-dtype", a.kv_cache_dtype]
     if a.json_only:
-        print(json.dumps(run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len)))
+        print(json.dumps(run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len, a.kv_cache_dtype)))
         return
     result: dict[str, Any] = {"model": "SmolLM2-135M-Instruct Q4_1", "prompt_len": a.prompt_len,
-                              "steps": a.steps,
+                              "kv_cache_dtype": a.kv_cache_dtype or "default", "steps": a.steps,
                               "clock": a.clock}
     if a.rev:
         result["before"] = {"rev": a.rev, "rows": run_revision(a.rev, argv)}
         show(a.rev, result["before"]["rows"])
-    result["after"] = {"rev": _head(), "rows": run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len)}
+    result["after"] = {"rev": _head(), "rows": run_all(a.acts, a.threads, a.batch, a.steps, a.prompt_len,
+                                                       a.kv_cache_dtype)}
     show("now", result["after"]["rows"])
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "decode_step.json")
     with open(out, "w") as f:

@@ -261,6 +261,8 @@ class Int8KVStorage(BlockTensorStorage):
         super().__init__(layer_to_tensor, num_blocks, block_size,
                          {"k": (values, torch.int8), "k_scale": (scales, torch.float32),
                           "v": (values, torch.int8), "v_scale": (scales, torch.float32)}, device)
+        # one-call writes, on CPU
+        self.ops = kernels.load("layer_ops") if torch.device(device).type == "cpu" else None
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
@@ -268,10 +270,21 @@ class Int8KVStorage(BlockTensorStorage):
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
         t = self.layer_tensors(layer)
+        if self.ops is not None:  # quantize_int8 and the two writes, bit for bit, in one call
+            self.ops.store_kv_int8(t["k"], t["k_scale"], t["v"], t["v_scale"], plan, k, v)
+            return
         for name, x in (("k", k), ("v", v)):
             q, scale = quant.quantize_int8(x)
             t[name].view(-1, *q.shape[1:]).index_put_((plan,), q)
             t[f"{name}_scale"].view(-1, scale.shape[1]).index_put_((plan,), scale)
+
+    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """The CPU kernel's quantizing write into this layer's tensors, made once."""
+        if self.ops is None or self.layer_to_tensor[layer] is None:
+            return None
+        t = self.layer_tensors(layer)
+        return functools.partial(self.ops.store_kv_int8, t["k"], t["k_scale"], t["v"], t["v_scale"]), \
+            self.decode_operands(layer)
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.layer_tensors(layer)

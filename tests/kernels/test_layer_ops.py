@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.attention.backend import rotate_halves
+from kvserve.kv.quant import quantize_int8
 from tests.conftest import compiled_kernel, kernel_isas
 
 
@@ -163,6 +164,58 @@ def test_store_kv_converts_other_dtypes_and_layouts_as_torch_does(ops):
     with pytest.raises(RuntimeError, match="floating dtype"):
         ints = torch.ones(5, 3, 64, dtype=torch.int32)
         ops.store_kv(kc, vc, slots, ints, ints)
+
+
+def torch_int8_write(kc, ks, vc, vs, slots, k, v):
+    """Int8KVStorage's torch write: quantize_int8, then the values and the scales put in."""
+    for c, sc, x in ((kc, ks, k), (vc, vs, v)):
+        q, scale = quantize_int8(x)
+        c.view(-1, *q.shape[1:]).index_put_((slots,), q)
+        sc.view(-1, scale.shape[1]).index_put_((slots,), scale)
+
+
+def int8_cache(heads=3, dim=64):
+    return (torch.zeros(8, 16, heads, dim, dtype=torch.int8), torch.zeros(8, 16, heads),
+            torch.zeros(8, 16, heads, dim, dtype=torch.int8), torch.zeros(8, 16, heads))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dim", [64, 40])
+def test_store_kv_int8_is_the_torch_write_bit_for_bit(ops, dtype, dim):
+    """Values and scales equal quantize_int8's and index_put_'s: halves rounded to even (a row
+    whose scale is 1 holding 2.5, 3.5, -2.5), all-zero rows (the smallest scale), rows far from 1,
+    heads not contiguous, head dims not a multiple of 16; slots elsewhere stay untouched."""
+    g = torch.Generator().manual_seed(dim)
+    slots = torch.tensor([3, 40, 41, 100, 127, 7])
+    k = torch.randn(6, dim, 3, generator=g).transpose(1, 2).to(dtype)  # heads strided
+    v = (torch.randn(6, 3, dim, generator=g) * 1e3).to(dtype)
+    k[0, 0] = 0  # an all-zero head row
+    v[1, 2] *= 1e-6
+    k[2, 1] = 0
+    k[2, 1, :5] = torch.tensor([127.0, 2.5, 3.5, -2.5, -126.5])  # scale exactly 1: ties
+    mine, want = int8_cache(3, dim), int8_cache(3, dim)
+    ops.store_kv_int8(*mine, slots, k, v)
+    torch_int8_write(*want, slots, k, v)
+    for got, expected in zip(mine, want):
+        assert torch.equal(got, expected)
+    assert mine[0].view(-1, 3, dim)[41, 1, :5].tolist() == [127, 2, 4, -2, -126]
+    assert mine[1].view(-1, 3)[3, 0].item() == pytest.approx(1e-8)
+    untouched = torch.ones(128, dtype=torch.bool)
+    untouched[slots] = False
+    assert mine[0].view(-1, 3, dim)[untouched].count_nonzero() == 0
+
+
+def test_store_kv_int8_refuses_what_it_cannot_write(ops):
+    kc, ks, vc, vs = int8_cache()
+    k = torch.randn(2, 3, 64)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([0, 128]), k, k)
+    with pytest.raises(RuntimeError, match="int8 CPU caches"):
+        ops.store_kv_int8(kc.float(), ks, vc.float(), vs, torch.tensor([0, 1]), k, k)
+    with pytest.raises(RuntimeError, match="fp32 scales"):
+        ops.store_kv_int8(kc, ks.half(), vc, vs.half(), torch.tensor([0, 1]), k, k)
+    with pytest.raises(RuntimeError, match="floating dtype"):
+        ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([0, 1]), k.int(), k.int())
 
 
 def test_argmax_rows_is_torchs_max_indices(ops):

@@ -194,3 +194,29 @@ def test_per_token_formats_round_trip_copy_and_swap(make):
     s.copy_blocks([(2, 4)])
     s.swap_out(cpu, [(4, 0)])
     assert torch.equal(cpu.gather(0, torch.tensor([0]), 3)[0], gk)
+
+
+def test_int8_writes_through_the_kernel_equal_the_torch_write():
+    """Where the layer_ops kernel is built, an int8 cache's writes (`write`, and the fast path's
+    one-call store from `fixed_decode`) give the tensors the torch write gives, bit for bit."""
+    from kvserve import kernels
+    if kernels.load("layer_ops") is None:
+        pytest.skip(f"the layer_ops kernel is not built: {kernels.failure('layer_ops')}")
+    fast, plain, fixed = (Int8KVStorage([0, 1], 5, 4, 2, 8, "cpu") for _ in range(3))
+    plain.ops = None
+    assert fast.ops is not None and fixed.fixed_decode(1) is not None and plain.fixed_decode(1) is None
+    g = torch.Generator().manual_seed(3)
+    for layer, slots in ((0, [9, 10, 3]), (1, [0, 19, 4])):
+        k, v = torch.randn(3, 2, 8, generator=g) * 10, torch.randn(3, 8, 2, generator=g).transpose(1, 2)
+        k[1, 0] = 0
+        plan = torch.tensor(slots)
+        fast.write(layer, k, v, plan)
+        plain.write(layer, k, v, plan)
+        store, operands = fixed.fixed_decode(layer)
+        store(plan, k, v)
+        assert all(a is b for a, b in zip(operands, fixed.decode_operands(layer)))
+    for layer in (0, 1):
+        for name in ("k", "k_scale", "v", "v_scale"):
+            want = plain.layer_tensors(layer)[name]
+            assert torch.equal(fast.layer_tensors(layer)[name], want)
+            assert torch.equal(fixed.layer_tensors(layer)[name], want)

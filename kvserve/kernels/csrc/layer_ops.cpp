@@ -14,6 +14,11 @@
 //                                         kc[slot[t]] = k[t], vc[slot[t]] = v[t]   (a cache write:
 //                                         k, v of any floating dtype and layout, converted as
 //                                         .to(cache dtype) converts; fp32 into bf16 rounded as copied)
+//   store_kv_int8(kc, ks, vc, vs, slots, k, v)
+//                                         the same into an int8 cache [slots..., KVH, D] with a
+//                                         scale per token and head (ks, vs [slots..., KVH] fp32):
+//                                         s = max(amax|x| / 127, 1e-8), q = round(x / s) in [-127, 127]
+//                                         (kv/quant.py's quantize_int8, bit for bit)
 //   argmax_rows(x [R, V])                 x.max(-1).indices   (fp32; the AVX-512 build only)
 //
 // Each rounds where the torch expression it replaces rounds: arithmetic on scalar_t (c10's
@@ -41,6 +46,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -344,6 +350,91 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
   }
 }
 
+// One token's head row x [D] (fp32) quantized into q [D] with its scale, as quantize_int8 does
+// in torch: s = max(amax|x| / 127, 1e-8) in fp32, q = x / s divided (not multiplied by 1 / s) and
+// rounded to nearest even, clamped to [-127, 127]. A NaN row gets a NaN scale, as torch's amax.
+inline void quantize_row_int8(const float* x, int8_t* q, float* scale, int64_t D) {
+  constexpr float kTiny = 1e-8f;  // kv/quant.py's TINY as fp32 (clamp_min takes it so)
+  int64_t i = 0;
+  float amax = 0.f;
+  bool nan = false;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_setzero_ps();
+  for (; i + 16 <= D; i += 16) {
+    const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(x + i));
+    nan |= _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0;
+    m = _mm512_max_ps(m, a);
+  }
+  amax = _mm512_reduce_max_ps(m);
+#endif
+  for (int64_t j = i; j < D; ++j) {
+    const float a = std::fabs(x[j]);
+    nan |= std::isnan(a);
+    amax = a > amax ? a : amax;
+  }
+  float s = amax / 127.f;
+  s = nan ? std::numeric_limits<float>::quiet_NaN() : (s < kTiny ? kTiny : s);
+  *scale = s;
+  i = 0;
+#if defined(__AVX512F__)
+  const __m512 vs = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+  for (; i + 16 <= D; i += 16) {
+    __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
+  }
+#endif
+  for (; i < D; ++i) {
+    const float r = std::nearbyint(x[i] / s);
+    q[i] = static_cast<int8_t>(r < -127.f ? -127.f : (r > 127.f ? 127.f : r));
+  }
+}
+
+// What Int8KVStorage.write does in torch (quantize_int8, then an index_put_ of the values and
+// one of the scales, for K and for V) in one call: each token's heads quantized straight into
+// their slot. k, v of any floating dtype and layout (taken as fp32, as .float() takes them).
+void store_kv_int8(at::Tensor kc, at::Tensor ks, at::Tensor vc, at::Tensor vs, at::Tensor slots, at::Tensor k,
+                   at::Tensor v) {
+  TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3 &&
+              kc.scalar_type() == at::kChar && vc.scalar_type() == at::kChar && kc.device().is_cpu(),
+              "contiguous int8 CPU caches alike");
+  const int64_t KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
+  for (const auto* sc : {&ks, &vs})
+    TORCH_CHECK(sc->is_contiguous() && sc->scalar_type() == at::kFloat && sc->device().is_cpu() &&
+                sc->numel() == total * KVH && sc->size(-1) == KVH, "contiguous fp32 scales [slots..., KVH]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+              "int64 slots [T]");
+  const int64_t T = slots.size(0);
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D &&
+                x->device().is_cpu() && at::isFloatingType(x->scalar_type()),
+                "k, v [T, KVH, D] of a floating dtype on CPU");
+  k = k.to(at::kFloat).contiguous();
+  v = v.to(at::kFloat).contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < total, "slot ", sp[t], " outside the cache's ", total);
+  auto* kd = kc.data_ptr<int8_t>();
+  auto* vd = vc.data_ptr<int8_t>();
+  float* kso = ks.data_ptr<float>();
+  float* vso = vs.data_ptr<float>();
+  const float* kx = k.data_ptr<float>();
+  const float* vx = v.data_ptr<float>();
+  const int64_t n = KVH * D;
+  for (int64_t t = 0; t < T; ++t)  // every line asked for first, so their misses overlap (as store_kv)
+    for (int64_t at = 0; at < n; at += 64) {
+      __builtin_prefetch(kd + sp[t] * n + at, 1);
+      __builtin_prefetch(vd + sp[t] * n + at, 1);
+    }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t row = sp[t] * KVH + h;
+      quantize_row_int8(kx + (t * KVH + h) * D, kd + row * D, kso + row, D);
+      quantize_row_int8(vx + (t * KVH + h) * D, vd + row * D, vso + row, D);
+    }
+}
+
 #if defined(__AVX512F__)
 // The index of row x [V]'s largest value, the first of equal ones; a NaN counts as the largest (the
 // first NaN's index), as torch's max(-1).indices. 16 lanes keep their own largest and its index
@@ -420,4 +511,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "each row's first largest value's index, a NaN the largest (CPU, fp32)");
 #endif
   m.def("store_kv", &store_kv, "k, v rows into their cache slots, fp32 rounded into a bf16 cache (CPU)");
+  m.def("store_kv_int8", &store_kv_int8,
+        "k, v rows quantized into an int8 cache's slots with their scales (CPU)");
 }
