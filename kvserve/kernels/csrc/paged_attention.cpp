@@ -157,7 +157,9 @@ struct Int8 {
   const int8_t* q;
   const float* scale;
   Shape s;
-  KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const { return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D); }
+  KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
+    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D);
+  }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     for (int64_t i = 0; i < n; ++i) {
@@ -202,7 +204,9 @@ struct Fp8 {
   const float* head_scale;  // [KVH]
   bool e4m3;
   Shape s;
-  KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const { return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D); }
+  KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
+    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D);
+  }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const float hs = head_scale[kh];
@@ -603,7 +607,8 @@ template <int NV>
 constexpr bool kSplit<Dense<c10::BFloat16>, NV> = NV % 2 == 0;
 
 template <int NV, typename Src>
-inline KeyRows key_block(const Src& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*, const Ahead& ahead) {
+inline KeyRows key_block(const Src& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*,
+                         const Ahead& ahead) {
   ahead.all();
   return {src.rows(blk, kh, n, buf), nullptr};
 }
@@ -618,8 +623,8 @@ inline void split_bf16(const c10::BFloat16* p, __m512& even, __m512& odd) {
 }
 
 template <int NV>
-inline KeyRows key_block(const Dense<c10::BFloat16>& src, int64_t blk, int64_t kh, int64_t n, float* buf, float*,
-                         const Ahead& ahead) {
+inline KeyRows key_block(const Dense<c10::BFloat16>& src, int64_t blk, int64_t kh, int64_t n, float* buf,
+                         float*, const Ahead& ahead) {
   if constexpr (!kSplit<Dense<c10::BFloat16>, NV>) {
     ahead.all();
     return {src.rows(blk, kh, n, buf), nullptr};
