@@ -199,17 +199,47 @@ def test_store_kv_int8_is_the_torch_write_bit_for_bit(ops, dtype, dim):
     for got, expected in zip(mine, want):
         assert torch.equal(got, expected)
     assert mine[0].view(-1, 3, dim)[41, 1, :5].tolist() == [127, 2, 4, -2, -126]
-    assert mine[1].view(-1, 3)[3, 0].item() == pytest.approx(1e-8)
+    assert mine[1].view(-1, 3)[3, 0] == torch.tensor(1e-8, dtype=torch.float32)
     untouched = torch.ones(128, dtype=torch.bool)
     untouched[slots] = False
     assert mine[0].view(-1, 3, dim)[untouched].count_nonzero() == 0
 
 
+def test_store_kv_int8_non_finite_rows_give_the_same_codes_in_every_build(ops):
+    """A row holding an infinity gets an infinite scale, one holding a NaN a NaN scale (torch's
+    amax gives both); a NaN quotient is stored as 0 in every build (not the platform's conversion
+    of NaN, which may be -128), so every code stays in [-127, 127]. No tokens: nothing written."""
+    kc, ks, vc, vs = int8_cache()
+    k, v = torch.randn(2, 3, 64), torch.randn(2, 3, 64)
+    k[0, 1, 5], k[1, 2, 7], v[1, 0, 3] = float("inf"), float("nan"), -float("inf")
+    ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([4, 9]), k, v)
+    kq, vq = kc.view(-1, 3, 64), vc.view(-1, 3, 64)
+    k_scales, v_scales = ks.view(-1, 3), vs.view(-1, 3)
+    assert k_scales[4, 1] == float("inf") and k_scales[9, 2].isnan() and v_scales[9, 0] == float("inf")
+    inf_row = kq[4, 1].tolist()
+    assert inf_row[5] == 0 and inf_row.count(0) == 64  # finite / inf rounds to 0; inf / inf is NaN: 0
+    assert kq[9, 2].count_nonzero() == 0 and vq[9, 0].count_nonzero() == 0
+    assert torch.equal(kq[4, 0], quantize_int8(k[0, 0])[0])  # the finite heads as torch quantizes them
+    assert int(kc.min()) >= -127 and int(vc.min()) >= -127
+    before = [t.clone() for t in (kc, ks, vc, vs)]
+    ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([], dtype=torch.long), k[:0], v[:0])
+    after = (kc, ks, vc, vs)  # compared as bytes: the scales hold a NaN
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, after))
+
+
 def test_store_kv_int8_refuses_what_it_cannot_write(ops):
     kc, ks, vc, vs = int8_cache()
     k = torch.randn(2, 3, 64)
-    with pytest.raises(RuntimeError, match="outside the cache"):
-        ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([0, 128]), k, k)
+    for slots in ([0, 128], [-1, 0]):
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            ops.store_kv_int8(kc, ks, vc, vs, torch.tensor(slots), k, k)
+    with pytest.raises(RuntimeError, match="int64 CPU slots"):
+        ops.store_kv_int8(kc, ks, vc, vs, torch.tensor([0, 1], dtype=torch.int32), k, k)
+    with pytest.raises(RuntimeError, match="fp32 scales"):
+        two_heads = ks[..., :2].contiguous()
+        ops.store_kv_int8(kc, two_heads, vc, two_heads, torch.tensor([0, 1]), k, k)
+    with pytest.raises(RuntimeError, match="int8 CPU caches"):
+        ops.store_kv_int8(kc.transpose(0, 1), ks, vc.transpose(0, 1), vs, torch.tensor([0, 1]), k, k)
     with pytest.raises(RuntimeError, match="int8 CPU caches"):
         ops.store_kv_int8(kc.float(), ks, vc.float(), vs, torch.tensor([0, 1]), k, k)
     with pytest.raises(RuntimeError, match="fp32 scales"):

@@ -319,7 +319,8 @@ at::Tensor as_rows(at::Tensor x, const at::Tensor& cache) {
 void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3
               && kc.scalar_type() == vc.scalar_type() && kc.device().is_cpu(), "contiguous CPU caches alike");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(), "int64 slots [T]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+              slots.device().is_cpu(), "int64 CPU slots [T]");
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->device().is_cpu() &&
@@ -351,8 +352,11 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
 }
 
 // One token's head row x [D] (fp32) quantized into q [D] with its scale, as quantize_int8 does
-// in torch: s = max(amax|x| / 127, 1e-8) in fp32, q = x / s divided (not multiplied by 1 / s) and
-// rounded to nearest even, clamped to [-127, 127]. A NaN row gets a NaN scale, as torch's amax.
+// in torch: s = max(amax|x| / 127, 1e-8) in fp32, q = x / s divided (not multiplied by 1 / s:
+// the build's flags leave out -freciprocal-math) and rounded to nearest even, clamped to
+// [-127, 127]. Bit for bit for finite rows. A row with a NaN gets a NaN scale, as torch's amax
+// gives, and one with an infinity an infinite scale; a quotient that is NaN (inf / inf, NaN / s)
+// is stored as 0 in every build (torch leaves its conversion to int8 to the platform).
 inline void quantize_row_int8(const float* x, int8_t* q, float* scale, int64_t D) {
   constexpr float kTiny = 1e-8f;  // kv/quant.py's TINY as fp32 (clamp_min takes it so)
   int64_t i = 0;
@@ -381,13 +385,14 @@ inline void quantize_row_int8(const float* x, int8_t* q, float* scale, int64_t D
   for (; i + 16 <= D; i += 16) {
     __m512 r = _mm512_roundscale_ps(_mm512_div_ps(_mm512_loadu_ps(x + i), vs),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    r = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(r, r, _CMP_ORD_Q), r);  // NaN: 0
     r = _mm512_min_ps(_mm512_max_ps(r, lo), hi);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(r)));
   }
 #endif
   for (; i < D; ++i) {
     const float r = std::nearbyint(x[i] / s);
-    q[i] = static_cast<int8_t>(r < -127.f ? -127.f : (r > 127.f ? 127.f : r));
+    q[i] = static_cast<int8_t>(std::isnan(r) ? 0.f : (r < -127.f ? -127.f : (r > 127.f ? 127.f : r)));
   }
 }
 
@@ -403,8 +408,8 @@ void store_kv_int8(at::Tensor kc, at::Tensor ks, at::Tensor vc, at::Tensor vs, a
   for (const auto* sc : {&ks, &vs})
     TORCH_CHECK(sc->is_contiguous() && sc->scalar_type() == at::kFloat && sc->device().is_cpu() &&
                 sc->numel() == total * KVH && sc->size(-1) == KVH, "contiguous fp32 scales [slots..., KVH]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-              "int64 slots [T]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+              slots.device().is_cpu(), "int64 CPU slots [T]");
   const int64_t T = slots.size(0);
   for (const auto* x : {&k, &v})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D &&

@@ -270,8 +270,10 @@ constexpr int64_t kPrefetchPanels = 4;
 
 // Block b's slice of the PANELS panels kPrefetchPanels after `first` (panels of `pb` bytes): over
 // the nb blocks of a tile, exactly those panels, each line once.
+// Always inlined: a function whose only effect is a prefetch has no side effects to GCC, which
+// deletes calls to it where it is not inlined (it did so to paged_attention.cpp's helpers).
 template <int FMT, int PANELS>
-inline void prefetch_ahead(const uint8_t* first, int64_t pb, int64_t b) {
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* first, int64_t pb, int64_t b) {
   constexpr int64_t kStep = kPanel * block_bytes(FMT);  // a block's bytes in a panel, pb / nb
   for (int p = 0; p < PANELS; ++p) {
     const uint8_t* at = first + (p + kPrefetchPanels) * pb + b * kStep;
