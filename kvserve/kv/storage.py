@@ -150,6 +150,11 @@ class ChunkView:
 class BlockTensorStorage(KVStorage):
     """Named tensors per layer-tensor set, each [num_blocks, ...]."""
 
+    # the layer_ops function that writes a layer's K/V in one call on CPU (None: none), and the
+    # tensors it writes, in the order it takes them before (slots, k, v)
+    store_kernel: Optional[str] = None
+    store_parts: tuple[str, ...] = ()
+
     def __init__(self, layer_to_tensor: Sequence[Optional[int]], num_blocks: int, block_size: int,
                  parts: dict[str, tuple[tuple[int, ...], torch.dtype]], device: torch.device | str) -> None:
         self.layer_to_tensor = list(layer_to_tensor)  # None: a layer without a cache (--cache-layers)
@@ -158,6 +163,21 @@ class BlockTensorStorage(KVStorage):
         num_sets = max(t for t in self.layer_to_tensor if t is not None) + 1
         self.tensors = [{name: zeros((num_blocks, *shape), dtype, device) for name, (shape, dtype) in parts.items()}
                         for _ in range(num_sets)]
+        self.ops = kernels.load("layer_ops") if self.store_kernel and self.device.type == "cpu" else None
+
+    def kernel_write(self, layer: int) -> Optional[Callable[..., Any]]:
+        """write(plan, k, v) into the layer's tensors in one compiled call, or None: no kernel."""
+        if self.ops is None:
+            return None
+        t = self.layer_tensors(layer)
+        store = getattr(self.ops, self.store_kernel)
+        return functools.partial(store, *(t[name] for name in self.store_parts))
+
+    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
+        """The kernel's write into this layer, made once (its tensors never move), and its operands."""
+        if self.ops is None or self.layer_to_tensor[layer] is None:
+            return None
+        return self.kernel_write(layer), self.decode_operands(layer)  # type: ignore[return-value]
 
     @property
     def bytes_per_block(self) -> int:
@@ -210,12 +230,13 @@ class DenseKVStorage(BlockTensorStorage):
     gathering a sequence's context is one index over its block table (whole blocks, not single
     slots)."""
 
+    store_kernel, store_parts = "store_kv", ("k", "v")
+
     def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (block_size, num_kv_heads, head_dim)
         super().__init__(layer_to_tensor, num_blocks, block_size, {"k": (shape, dtype), "v": (shape, dtype)}, device)
         self.dtype = dtype
-        self.ops = kernels.load("layer_ops") if torch.device(device).type == "cpu" else None  # one-call writes
 
     @property
     def k(self) -> list[torch.Tensor]:
@@ -233,19 +254,13 @@ class DenseKVStorage(BlockTensorStorage):
         return t["k"], t["v"]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
-        t = self.layer_tensors(layer)
-        if self.ops is not None:  # K and V of any float dtypes and layouts, converted as .to() converts
-            self.ops.store_kv(t["k"], t["v"], plan, k, v)
+        store = self.kernel_write(layer)
+        if store is not None:  # K and V of any float dtypes and layouts, converted as .to() converts
+            store(plan, k, v)
             return
+        t = self.layer_tensors(layer)
         t["k"].view(-1, *k.shape[1:]).index_put_((plan,), k.to(self.dtype))
         t["v"].view(-1, *v.shape[1:]).index_put_((plan,), v.to(self.dtype))
-
-    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
-        """The CPU kernel's write into this layer's K and V, made once (its tensors never move)."""
-        if self.ops is None or self.layer_to_tensor[layer] is None:
-            return None
-        t = self.layer_tensors(layer)
-        return functools.partial(self.ops.store_kv, t["k"], t["v"]), (t["k"], t["v"])
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.layer_tensors(layer)
@@ -254,6 +269,7 @@ class DenseKVStorage(BlockTensorStorage):
 
 class Int8KVStorage(BlockTensorStorage):
     kind = "int8"
+    store_kernel, store_parts = "store_kv_int8", ("k", "k_scale", "v", "v_scale")
 
     def __init__(self, layer_to_tensor: Sequence[int], num_blocks: int, block_size: int,
                  num_kv_heads: int, head_dim: int, device: torch.device | str) -> None:
@@ -261,30 +277,21 @@ class Int8KVStorage(BlockTensorStorage):
         super().__init__(layer_to_tensor, num_blocks, block_size,
                          {"k": (values, torch.int8), "k_scale": (scales, torch.float32),
                           "v": (values, torch.int8), "v_scale": (scales, torch.float32)}, device)
-        # one-call writes, on CPU
-        self.ops = kernels.load("layer_ops") if torch.device(device).type == "cpu" else None
 
     def decode_operands(self, layer: int) -> tuple[Any, ...]:
         t = self.layer_tensors(layer)
         return t["k"], t["k_scale"], t["v"], t["v_scale"]
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, plan: Any) -> None:
-        t = self.layer_tensors(layer)
-        if self.ops is not None:  # quantize_int8 and the two writes, bit for bit, in one call
-            self.ops.store_kv_int8(t["k"], t["k_scale"], t["v"], t["v_scale"], plan, k, v)
+        store = self.kernel_write(layer)
+        if store is not None:  # quantize_int8 and the two writes, bit for bit, in one call
+            store(plan, k, v)
             return
+        t = self.layer_tensors(layer)
         for name, x in (("k", k), ("v", v)):
             q, scale = quant.quantize_int8(x)
             t[name].view(-1, *q.shape[1:]).index_put_((plan,), q)
             t[f"{name}_scale"].view(-1, scale.shape[1]).index_put_((plan,), scale)
-
-    def fixed_decode(self, layer: int) -> Optional[tuple[Callable[..., Any], tuple[Any, ...]]]:
-        """The CPU kernel's quantizing write into this layer's tensors, made once."""
-        if self.ops is None or self.layer_to_tensor[layer] is None:
-            return None
-        t = self.layer_tensors(layer)
-        return functools.partial(self.ops.store_kv_int8, t["k"], t["k_scale"], t["v"], t["v_scale"]), \
-            self.decode_operands(layer)
 
     def gather(self, layer: int, block_tables: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.layer_tensors(layer)

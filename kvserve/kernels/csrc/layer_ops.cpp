@@ -316,15 +316,41 @@ at::Tensor as_rows(at::Tensor x, const at::Tensor& cache) {
   return x;
 }
 
+// A cache write's slots and rows: int64 CPU slots [T], each inside the cache's `total`, and k, v
+// [T, KVH, D] of a floating dtype on CPU.
+void check_write(const at::Tensor& slots, const at::Tensor& k, const at::Tensor& v, int64_t KVH, int64_t D,
+                 int64_t total) {
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
+              slots.device().is_cpu(), "int64 CPU slots [T]");
+  const int64_t T = slots.size(0);
+  for (const auto* x : {&k, &v})
+    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D &&
+                x->device().is_cpu() && at::isFloatingType(x->scalar_type()),
+                "k, v [T, KVH, D] of a floating dtype on CPU");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < total, "slot ", sp[t], " outside the cache's ", total);
+}
+
+// A batch's slots lie in blocks anywhere in the cache, each line written missing the caches:
+// copied one after the other, each waited for its line to be read (64 tokens: 62 us a layer).
+// Every line asked for first (for writing), their waits overlap. Always inlined: to GCC a
+// function whose only effect is a prefetch has no side effects, and calls to one it did not
+// inline were deleted (paged_attention.cpp).
+__attribute__((always_inline)) inline void prefetch_slots(uint8_t* kd, uint8_t* vd, const int64_t* sp,
+                                                         int64_t T, int64_t row_bytes) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t at = 0; at < row_bytes; at += 64) {
+      __builtin_prefetch(kd + sp[t] * row_bytes + at, 1);
+      __builtin_prefetch(vd + sp[t] * row_bytes + at, 1);
+    }
+}
+
 void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::Tensor v) {
   TORCH_CHECK(kc.is_contiguous() && vc.is_contiguous() && kc.sizes() == vc.sizes() && kc.dim() >= 3
               && kc.scalar_type() == vc.scalar_type() && kc.device().is_cpu(), "contiguous CPU caches alike");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
-              slots.device().is_cpu(), "int64 CPU slots [T]");
   const int64_t T = slots.size(0), KVH = kc.size(-2), D = kc.size(-1), total = kc.numel() / (KVH * D);
-  for (const auto* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D && x->device().is_cpu() &&
-                at::isFloatingType(x->scalar_type()), "k, v [T, KVH, D] of a floating dtype on CPU");
+  check_write(slots, k, v, KVH, D, total);
   k = as_rows(k, kc);
   v = as_rows(v, vc);
   const bool round_k = rounds_into(k, kc), round_v = rounds_into(v, vc);
@@ -335,16 +361,7 @@ void store_kv(at::Tensor kc, at::Tensor vc, at::Tensor slots, at::Tensor k, at::
   const auto* ks = static_cast<const uint8_t*>(k.data_ptr());
   const auto* vs = static_cast<const uint8_t*>(v.data_ptr());
   const int64_t lk = k.stride(0) * k.element_size(), lv = v.stride(0) * v.element_size();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < total, "slot ", sp[t], " outside the cache's ", total);
-  // A batch's slots lie in blocks anywhere in the cache, each line written missing the caches:
-  // copied one after the other, each waited for its line to be read (64 tokens: 62 us a layer).
-  // Every line asked for first (for writing), their waits overlap.
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t at = 0; at < row; at += 64) {
-      __builtin_prefetch(kd + sp[t] * row + at, 1);
-      __builtin_prefetch(vd + sp[t] * row + at, 1);
-    }
+  prefetch_slots(kd, vd, sp, T, row);
   for (int64_t t = 0; t < T; ++t) {
     store_row(kd + sp[t] * row, ks + t * lk, n, row, round_k);
     store_row(vd + sp[t] * row, vs + t * lv, n, row, round_v);
@@ -408,18 +425,11 @@ void store_kv_int8(at::Tensor kc, at::Tensor ks, at::Tensor vc, at::Tensor vs, a
   for (const auto* sc : {&ks, &vs})
     TORCH_CHECK(sc->is_contiguous() && sc->scalar_type() == at::kFloat && sc->device().is_cpu() &&
                 sc->numel() == total * KVH && sc->size(-1) == KVH, "contiguous fp32 scales [slots..., KVH]");
-  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous() &&
-              slots.device().is_cpu(), "int64 CPU slots [T]");
+  check_write(slots, k, v, KVH, D, total);
   const int64_t T = slots.size(0);
-  for (const auto* x : {&k, &v})
-    TORCH_CHECK(x->dim() == 3 && x->size(0) == T && x->size(1) == KVH && x->size(2) == D &&
-                x->device().is_cpu() && at::isFloatingType(x->scalar_type()),
-                "k, v [T, KVH, D] of a floating dtype on CPU");
   k = k.to(at::kFloat).contiguous();
   v = v.to(at::kFloat).contiguous();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < total, "slot ", sp[t], " outside the cache's ", total);
   auto* kd = kc.data_ptr<int8_t>();
   auto* vd = vc.data_ptr<int8_t>();
   float* kso = ks.data_ptr<float>();
@@ -427,11 +437,7 @@ void store_kv_int8(at::Tensor kc, at::Tensor ks, at::Tensor vc, at::Tensor vs, a
   const float* kx = k.data_ptr<float>();
   const float* vx = v.data_ptr<float>();
   const int64_t n = KVH * D;
-  for (int64_t t = 0; t < T; ++t)  // every line asked for first, so their misses overlap (as store_kv)
-    for (int64_t at = 0; at < n; at += 64) {
-      __builtin_prefetch(kd + sp[t] * n + at, 1);
-      __builtin_prefetch(vd + sp[t] * n + at, 1);
-    }
+  prefetch_slots(reinterpret_cast<uint8_t*>(kd), reinterpret_cast<uint8_t*>(vd), sp, T, n);
   for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < KVH; ++h) {
       const int64_t row = sp[t] * KVH + h;
