@@ -51,6 +51,18 @@ def tiny_llama():
     return random_llama()
 
 
+@pytest.fixture
+def q8_copies(monkeypatch: Any) -> None:
+    """The defaults keep the AMX policy's dense path for Q4_0 / Q4_1 / Q8_0 (above 64 rows) on any
+    CPU with bf16 instructions, so that path is shown where the CPU's own policy keeps none
+    (AVX512-BF16 without AMX: kvserve.models.products.default_policy)."""
+    import dataclasses
+    from kvserve.config import BF16_CPU_FLAGS
+    from kvserve.models import products
+    monkeypatch.setattr(products, "DEFAULT_POLICIES",
+                        (dataclasses.replace(products.AMX_POLICY, dense_needs=BF16_CPU_FLAGS),))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     from kvserve.models.registry import load_weights

@@ -13,11 +13,14 @@ A packed linear can multiply its rows of activations three ways:
            with linear_q8's AMX build, the same bf16 product made in AMX tiles from the packed
            weight at each call (no copy)
 
-`ProductPolicy` says, by the number of rows of a call, which one runs: the defaults
-(`--packed-activations auto`) take int8 up to 64 rows and, on CPUs that multiply bf16 natively,
-a bf16 copy above (`DenseAbove`, within a memory budget); `--packed-activations int8` takes int8
-for every row count and --exact float. The rule is data in DEFAULT_POLICY, chosen by
-benchmarks/product_paths.py (ProductPolicy's docstring gives the figures).
+`ProductPolicy` says, by the number of rows of a call, which one runs. The defaults
+(`--packed-activations auto`) take the policy of the CPU's matrix unit (`default_policy`): with
+AMX, int8 up to 64 rows for Q4_0 / Q4_1 / Q8_0 and 8 for the others, the bf16 dense path above
+(`DenseAbove`, within a memory budget); with AVX512-BF16 and no AMX, int8 at every row count for
+Q4_0 / Q4_1 / Q8_0 and the bf16 copy above 8 rows for the others; elsewhere int8 at every row
+count. `--packed-activations int8` takes int8 for every row count and --exact float. The rules
+are data in DEFAULT_POLICIES, chosen by benchmarks/product_paths.py (ProductPolicy's docstring
+gives the figures).
 """
 
 from __future__ import annotations
@@ -66,13 +69,27 @@ class ProductPolicy:
     Q4_1: int8 is fastest up to 64 rows (tied with the bf16 copy at 64); above, the bf16 copy
     takes half the time. The K-quant / Q5_0 kernels: the three paths are within 20% of each other
     up to 4 rows, and from 16 rows the bf16 copy takes a half to a tenth of int8's time. So
-    DEFAULT_POLICY: int8 up to 64 rows (Q4_0 / Q4_1 / Q8_0) or 8 rows (the others), the bf16 copy
-    above where the CPU multiplies bf16 natively and memory allows; on other CPUs (no bf16 GEMM
-    worth a copy) int8 for every row count. Made in AMX tiles from Q4_0 / Q4_1 / Q8_0 weights
+    AMX_POLICY: int8 up to 64 rows (Q4_0 / Q4_1 / Q8_0) or 8 rows (the others), the bf16 dense
+    path above, within the memory budget. Made in AMX tiles from Q4_0 / Q4_1 / Q8_0 weights
     (tiles_above_rows), the dense path runs above 24 rows: one step's 120 products of SmolLM2 at
     16 / 24 / 32 / 64 rows took 9.08 / 10.43 / 11.40 / 18.41 ms in tiles against 9.02 / 11.47 /
     12.40 / 24.30 int8 (2 threads, the int8 tiles on AMX-INT8 from 32 rows; product_paths.py
     --step-rows).
+
+    Without AMX the bf16 copy is multiplied by AVX512-BF16's dot products, and int8's VNNI dot
+    products are faster for Q4_0 / Q4_1 / Q8_0 at every row count (AMD EPYC Zen 4, AVX512-BF16
+    and AVX512-VNNI, 2 threads, wall time on a quiet machine, the fastest of 15; product_paths.py
+    --threads 2 --clock wall --no-engine):
+
+        SmolLM2-135M Q4_1      rows      1      4     16     64    256    512
+          int8                         136    173    387   1114   3314   6618
+          bf16 copy (oneDNN)           502    418    866   1860   4872   9432
+        Gemma-3-270M Q4_K_M
+          int8                         351    490   1708   6098  24996  49281
+          bf16 copy                    784    674   1278   2791   8545  16083
+
+    So AVX512_BF16_POLICY: int8 at every row count for Q4_0 / Q4_1 / Q8_0 (no copies of them),
+    the bf16 copy above 8 rows for the others. A CPU with neither keeps no copy (INT8_POLICY).
     """
 
     activations: str = "int8"
@@ -110,19 +127,32 @@ class ProductPolicy:
         return bool(self.dense_above_rows) and bool(cpu_flags & self.dense_needs)
 
 
-DEFAULT_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_q8", 64), ("linear_kquant", 8)),  # auto, CPU
-                               tiles_above_rows=(("linear_q8", 24),))
+# The defaults on CPU (auto), by the CPU's matrix unit: the first whose dense_needs the CPU has
+AMX_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_q8", 64), ("linear_kquant", 8)),
+                           dense_needs=frozenset({"amx_bf16"}), tiles_above_rows=(("linear_q8", 24),))
+AVX512_BF16_POLICY = ProductPolicy("int8", dense_above_rows=(("linear_kquant", 8),),
+                                   dense_needs=frozenset({"avx512_bf16"}))
+DEFAULT_POLICIES = (AMX_POLICY, AVX512_BF16_POLICY)
 INT8_POLICY = ProductPolicy("int8")  # --packed-activations int8: int8 for every row count
 EXACT_POLICY = ProductPolicy("float")  # --exact, --packed-activations float
 DENSE_COPY_EXPANSION = 4  # a copy holds at most 4x the packed bytes (bf16 of a 4-bit format: 3.2x)
 
 
-def policy_for(packed_activations: str, dense_copy_memory: float = 0.0) -> ProductPolicy:
-    """The policy of a resolved --packed-activations (int8 or float); dense copies only where
-    the defaults chose int8 (dense_copy_memory > 0)."""
+def default_policy(cpu_flags: frozenset[str]) -> ProductPolicy:
+    """The defaults' policy on a CPU with these flags: the first of DEFAULT_POLICIES whose dense
+    path the CPU multiplies natively, else int8 at every row count."""
+    return next((p for p in DEFAULT_POLICIES if p.keeps_copies(cpu_flags)), INT8_POLICY)
+
+
+def policy_for(packed_activations: str, dense_copy_memory: float = 0.0,
+               cpu_flags: Optional[frozenset[str]] = None) -> ProductPolicy:
+    """The policy of a resolved --packed-activations (int8 or float) on this CPU (or one with
+    `cpu_flags`); dense copies only where the defaults chose int8 (dense_copy_memory > 0)."""
     if packed_activations == "float":
         return EXACT_POLICY
-    return DEFAULT_POLICY if dense_copy_memory > 0 else INT8_POLICY
+    if dense_copy_memory <= 0:
+        return INT8_POLICY
+    return default_policy(kernels.cpu_flags() if cpu_flags is None else cpu_flags)
 
 
 def dense_copy_budget(packed_bytes: int, fraction: float, available_bytes: int) -> int:

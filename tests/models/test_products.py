@@ -7,8 +7,9 @@ import torch
 
 from kvserve import kernels
 from kvserve.models.packed import PackedLinearQ8
-from kvserve.models.products import (DEFAULT_POLICY, DENSE_COPY_EXPANSION, EXACT_POLICY, INT8_POLICY, DenseAbove,
-                                     ProductPolicy, dense_copy_budget, int8_kernel, keep_dense_copies,
+from kvserve.models.products import (AMX_POLICY, AVX512_BF16_POLICY, DENSE_COPY_EXPANSION, EXACT_POLICY,
+                                     INT8_POLICY, DenseAbove, ProductPolicy, dense_copy_budget, int8_kernel,
+                                     keep_dense_copies,
                                      make_dense_copies, missing_int8_kernels, packed_formats, policy_for)
 from kvserve.modules import FastPath
 from kvserve.models import products
@@ -34,17 +35,32 @@ class Counting:
 
 
 def test_the_policy_names_its_rule_for_each_row_count():
-    assert [DEFAULT_POLICY.path(r, "linear_q8") for r in ROWS] == ["int8"] * 4 + ["dense"] * 2  # above 64
+    assert [AMX_POLICY.path(r, "linear_q8") for r in ROWS] == ["int8"] * 4 + ["dense"] * 2  # above 64
     # made in AMX tiles from the packed weight: above 24 rows
-    assert [DEFAULT_POLICY.path(r, "linear_q8", tiles=True) for r in ROWS] == ["int8"] * 3 + ["dense"] * 3
-    assert DEFAULT_POLICY.threshold("linear_kquant", tiles=True) == 8  # no tiles named: the copy's rows
+    assert [AMX_POLICY.path(r, "linear_q8", tiles=True) for r in ROWS] == ["int8"] * 3 + ["dense"] * 3
+    assert AMX_POLICY.threshold("linear_kquant", tiles=True) == 8  # no tiles named: the copy's rows
     assert INT8_POLICY.threshold("linear_q8", tiles=True) is None
-    assert [DEFAULT_POLICY.path(r, "linear_kquant") for r in ROWS] == ["int8"] * 2 + ["dense"] * 4  # above 8
+    assert [AMX_POLICY.path(r, "linear_kquant") for r in ROWS] == ["int8"] * 2 + ["dense"] * 4  # above 8
+    # AVX512-BF16 without AMX: VNNI's int8 beats the bf16 copy for Q4_0 / Q4_1 / Q8_0 at every row count
+    assert [AVX512_BF16_POLICY.path(r, "linear_q8") for r in ROWS] == ["int8"] * len(ROWS)
+    assert AVX512_BF16_POLICY.threshold("linear_q8", tiles=True) is None
+    assert [AVX512_BF16_POLICY.path(r, "linear_kquant") for r in ROWS] == ["int8"] * 2 + ["dense"] * 4
     assert [INT8_POLICY.path(r, k) for r in ROWS for k in ("linear_q8", "linear_kquant")] == ["int8"] * 12
     assert [EXACT_POLICY.path(r) for r in ROWS] == ["float"] * len(ROWS)
-    assert policy_for("int8", 0.25) is DEFAULT_POLICY and policy_for("int8", 0.0) is INT8_POLICY
-    assert policy_for("float", 0.25) is EXACT_POLICY
-    assert DEFAULT_POLICY.keeps_copies(frozenset({"amx_bf16"})) and not DEFAULT_POLICY.keeps_copies(frozenset({"avx2"}))
+
+
+def test_the_defaults_policy_follows_the_cpus_matrix_unit():
+    sapphire_rapids = frozenset({"avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16"})
+    zen4 = frozenset({"avx512f", "avx512_vnni", "avx512_bf16"})
+    zen3 = frozenset({"avx2", "fma"})
+    assert policy_for("int8", 0.25, sapphire_rapids) is AMX_POLICY
+    assert policy_for("int8", 0.25, zen4) is AVX512_BF16_POLICY
+    assert policy_for("int8", 0.25, zen3) is INT8_POLICY
+    assert all(policy_for("int8", 0.0, flags) is INT8_POLICY for flags in (sapphire_rapids, zen4, zen3))
+    assert all(policy_for("float", 0.25, flags) is EXACT_POLICY for flags in (sapphire_rapids, zen4, zen3))
+    assert policy_for("int8", 0.25) is policy_for("int8", 0.25, kernels.cpu_flags())  # this CPU's
+    assert AMX_POLICY.keeps_copies(frozenset({"amx_bf16"})) and not AMX_POLICY.keeps_copies(zen4)
+    assert AVX512_BF16_POLICY.keeps_copies(zen4) and not AVX512_BF16_POLICY.keeps_copies(zen3)
     assert not INT8_POLICY.keeps_copies(frozenset({"amx_bf16"}))
     with pytest.raises(ValueError, match="policy activations must be int8 or float, got 'int4'"):
         ProductPolicy("int4")
@@ -107,23 +123,24 @@ def test_the_defaults_take_the_policys_path_at_every_row_count(smollm2):
         pytest.skip("the int8 kernel is not built here")
     engine = make_engine(smollm2, max_model_len=256)
     policy = policy_for(engine.config.packed_activations, engine.config.dense_copy_memory)
-    assert policy is DEFAULT_POLICY
+    assert policy is policy_for("int8", 0.25, kernels.cpu_flags())
     linear = engine.model.model.layers[0].mlp.down_proj
-    copies = policy.keeps_copies(kernels.cpu_flags()) and linear_module.onednn_bf16_supported()
+    copies = (policy.keeps_copies(kernels.cpu_flags()) and linear_module.onednn_bf16_supported()
+              and policy.threshold("linear_q8") is not None)  # without AMX: int8 at every row count
     assert isinstance(linear, DenseAbove) == copies
     with torch.no_grad():  # the runner's bound form takes the same path as the eager one
         fast = {rows: linear(x) for rows, x in ((r, torch.randn(r, linear.in_features)) for r in (16, 128))}
     unbind(linear)
     for rows in ROWS:
         int8_calls, float_calls, dense_calls = count_calls(linear, rows)
-        if policy.path(rows, "linear_q8", linear.tiles is not None) == "dense" and copies:
+        if copies and policy.path(rows, "linear_q8", linear.tiles is not None) == "dense":
             assert (int8_calls, float_calls, dense_calls) == (0, 0, 1), rows
         else:
             assert (int8_calls, float_calls, dense_calls) == (1, 0, 0), rows
     assert fast[16].shape == (16, linear.out_features)
 
 
-def test_the_bound_and_eager_forms_agree(smollm2):
+def test_the_bound_and_eager_forms_agree(smollm2, q8_copies):
     if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
         pytest.skip("no int8 kernel or no oneDNN bf16 here")
     engine = make_engine(smollm2, max_model_len=256)
@@ -143,7 +160,7 @@ def copies_not_tiles(monkeypatch):
     monkeypatch.setattr(products, "bf16_tiles", lambda packed, dtype: None)
 
 
-def test_a_dense_copy_is_made_by_the_first_call_above_the_threshold(smollm2, copies_not_tiles):
+def test_a_dense_copy_is_made_by_the_first_call_above_the_threshold(smollm2, copies_not_tiles, q8_copies):
     """No copy at load; calls of up to 64 rows make none; the first larger call makes it, equal to
     one made ahead by make_dense_copies (the server's start)."""
     if kernels.load("linear_q8") is None or not linear_module.onednn_bf16_supported():
@@ -181,7 +198,7 @@ def test_copies_stay_within_the_budget(smollm2, copies_not_tiles):
     engine = make_engine(smollm2, max_model_len=256, packed_activations="int8")
     one_layer = sum(m.out_features * m.in_features * 2 for m in engine.model.model.layers[0].modules()
                     if isinstance(m, PackedLinearQ8))
-    kept = keep_dense_copies(engine.model, DEFAULT_POLICY, one_layer)
+    kept = keep_dense_copies(engine.model, AMX_POLICY, one_layer)
     copies = [m for m in engine.model.modules() if isinstance(m, DenseAbove)]
     assert 0 < kept <= one_layer and sum(m.dense_bytes for m in copies) == kept
     assert not isinstance(engine.model.lm_head, DenseAbove)  # the head multiplies only the sampled rows

@@ -77,7 +77,7 @@ def test_smollm2_fast_path_equals_the_eager_modules(smollm2):
         assert_same(runs)
 
 
-def test_smollm2_defaults_fast_path_equals_the_eager_modules_above_the_dense_threshold(smollm2):
+def test_smollm2_defaults_fast_path_equals_the_eager_modules_above_the_dense_threshold(smollm2, q8_copies):
     """The defaults' products (packed activations auto): steps of more rows than DenseAbove's
     threshold take its dense path (the AMX tiles, or a bf16 copy) in both runs."""
     from kvserve.models.products import DenseAbove
