@@ -107,7 +107,23 @@ def test_one_dominant_token_leaves_the_other_parts_weightless(module, fmt, shape
     H, KVH, D = SHAPES[shape]
     storage, table = filled(fmt, KVH, D, 3000)
     q = torch.randn(1, H, D, generator=torch.Generator().manual_seed(3)) * 40
-    assert max(kernel_errors(module, q, storage, table, torch.tensor([3000]))) < 1e-4
+    # Against the float64 computation, not torch's fp32 one: scores this sharp carry fp32's rounding
+    # into the weights, and torch's own distance from float64 depends on the CPU's kernels (1.0e-4
+    # on an AMD EPYC Zen 4, int4 d128); the builds' own stay under 4.1e-5 on every CPU.
+    exact = exact_decode(q, storage, table, 3000)
+    kernel = decode_kernel(module, storage)
+    for threads in (1, 2):
+        with torch_threads(threads):
+            out = kernel(q, *storage.decode_operands(0), table, torch.tensor([3000]), D ** -0.5, 0)
+        assert (out.double() - exact).abs().max().item() < 1e-4, threads
+
+
+def exact_decode(q: torch.Tensor, storage: KVStorage, table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's decode attention in float64 over the K/V rows the storage reads back."""
+    k, v = (x[:, :length].double() for x in storage.gather(0, table, table.shape[1] * BLOCK))
+    G, D = q.shape[1] // k.shape[2], q.shape[-1]
+    s = torch.einsum("bhd,blhd->bhl", q.double(), k.repeat_interleave(G, dim=2)) * D ** -0.5
+    return torch.einsum("bhl,blhd->bhd", s.softmax(-1), v.repeat_interleave(G, dim=2))
 
 
 @pytest.mark.parametrize("fmt", ["float32", "int8", "fp8_e4m3", "int4"])
