@@ -764,8 +764,8 @@ class EngineConfig:
     dense_copy_memory: float = option(
         0.25, "with --packed-activations auto on a CPU with AMX or AVX512-BF16: the share of available "
               "memory the bf16 copies of packed weights may take (each about 3.2x its Q4 bytes, at most 4x "
-              "the packed bytes in all), multiplied by oneDNN above 64 rows (8 for K-quants), where they "
-              "take half to a tenth of the int8 kernels' time; 0: no copies")
+              "the packed bytes in all), multiplied by oneDNN above the CPU's policy's rows (K-quants: 8; "
+              "Q4_0/Q4_1/Q8_0: 64 with AMX, never without: docs/defaults.md); 0: no copies")
     exact: bool = option(
         False, "exact products: float32 model dtype, packed weights dequantized then multiplied in fp32, "
                "an fp32 KV cache unless --kv-cache-dtype names one; slower than the defaults (which cost "

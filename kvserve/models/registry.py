@@ -295,6 +295,8 @@ def _keep_dense_copies(model: nn.Module, policy: ProductPolicy, fraction: float)
     packed_bytes = sum(b.numel() for b in model.buffers() if b.dtype == torch.uint8)
     kept = keep_dense_copies(model, policy, dense_copy_budget(packed_bytes, fraction, available_memory()))
     dense = [m for m in model.modules() if isinstance(m, DenseAbove)]
+    if not dense:  # the policy copies none of this model's formats (Q4_1 on a CPU without AMX)
+        return
     tiles = sum(1 for m in dense if m.tiles is not None)
     logger.info("packed products above %s rows take the bf16 dense path: %.1f MB of copies beside %.1f MB packed%s",
                 "/".join(str(rows) for rows in sorted({m.threshold for m in dense})), kept / 1e6, packed_bytes / 1e6,

@@ -120,7 +120,7 @@ def test_one_dominant_token_leaves_the_other_parts_weightless(module, fmt, shape
 
 def exact_decode(q: torch.Tensor, storage: KVStorage, table: torch.Tensor, length: int) -> torch.Tensor:
     """One sequence's decode attention in float64 over the K/V rows the storage reads back."""
-    k, v = (x[:, :length].double() for x in storage.gather(0, table, table.shape[1] * BLOCK))
+    k, v = (x[:, :length].double() for x in storage.gather(0, table, BLOCK))
     G, D = q.shape[1] // k.shape[2], q.shape[-1]
     s = torch.einsum("bhd,blhd->bhl", q.double(), k.repeat_interleave(G, dim=2)) * D ** -0.5
     return torch.einsum("bhl,blhd->bhd", s.softmax(-1), v.repeat_interleave(G, dim=2))
