@@ -9,8 +9,8 @@ from kvserve import kernels
 from kvserve.models.packed import PackedLinearQ8
 from kvserve.models.products import (AMX_POLICY, AVX512_BF16_POLICY, DENSE_COPY_EXPANSION, EXACT_POLICY,
                                      INT8_POLICY, DenseAbove, ProductPolicy, dense_copy_budget, int8_kernel,
-                                     keep_dense_copies,
-                                     make_dense_copies, missing_int8_kernels, packed_formats, policy_for)
+                                     keep_dense_copies, make_dense_copies, missing_int8_kernels,
+                                     packed_formats, policy_for)
 from kvserve.modules import FastPath
 from kvserve.models import products
 from kvserve.models import linear as linear_module
