@@ -591,18 +591,18 @@ struct KeyRows {
 // row (bf16, int8) ask for row i of both as they convert row i, the others for all of them first.
 // Spread so, one layer at 64 contexts of 256 tokens out of DRAM took 0.75 ms against 0.78 all at
 // once (bf16, Xeon with AMX; int8 0.64 against 0.68). Two blocks ahead rather than one: 0.66 ms
-// against 0.69 (bf16, Zen 4, the T1 hint; int8 0.55 against 0.59); three gave no more.
+// against 0.69 (bf16, Zen 4, the T1 hint; int8 0.55 against 0.59); three gave 0.67 (int8 0.53).
 constexpr int64_t kAheadBlocks = 2;
 
 struct Ahead {
-  Lines next_k, this_v;
-  int64_t next_n, this_n;  // their rows (next_n = 0: no next block)
+  Lines ahead_k, this_v;
+  int64_t ahead_n, this_n;  // their rows (ahead_n = 0: the part has no block that far on)
   KV_ALWAYS_INLINE void row(int64_t i) const {  // row i of each (where it has one)
-    if (i < next_n) next_k.prefetch_row(i);
+    if (i < ahead_n) ahead_k.prefetch_row(i);
     if (i < this_n) this_v.prefetch_row(i);
   }
   KV_ALWAYS_INLINE void all() const {
-    next_k.prefetch(next_n);
+    ahead_k.prefetch(ahead_n);
     this_v.prefetch(this_n);
   }
 };
