@@ -1,7 +1,8 @@
 """Attention backends behind one interface (backend.py), chosen once per engine:
 
   torch       PyTorch SDPA over gathered blocks: any device, any storage; the reference
-  cpu-kernel  the compiled CPU decode kernel reading blocks in place (chunks as torch)
+  cpu-kernel  the compiled CPU decode kernel reading blocks in place; causal prompt chunks through
+              the compiled chunk kernel (cpu_kernel.chunk_kernel), the others as torch
   auto        cpu-kernel on CPU where it builds, else torch
 """
 
@@ -36,4 +37,6 @@ def select(name: str, storage: Optional[KVStorage], device: torch.device, block_
         if name == "cpu-kernel":
             raise ValueError(f"attention backend 'cpu-kernel' could not be built: {cpu_kernel.failure(storage)}")
         return TorchAttentionBackend(block_size, dtype)
-    return cpu_kernel.CpuKernelAttentionBackend(block_size, dtype, module)
+    from kvserve.kernels import cpu_flags
+    chunks = cpu_kernel.chunk_kernel(cpu_flags())
+    return cpu_kernel.CpuKernelAttentionBackend(block_size, dtype, module, chunks)

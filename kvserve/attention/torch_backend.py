@@ -78,6 +78,7 @@ class TorchAttentionBackend(AttentionBackend):
         view.read_from, view.key_positions = read_from, k_pos
         if window is not None:
             view.mask &= _in_window(k_pos, q_pos, window, sinks)
+        view.causal = view.causal and window is None and not sinks and not read_from
         if sinks and read_from:  # the sinks come first, seen by every query of the chunk
             view.num_sinks = sinks
             view.mask = torch.cat([torch.ones(span.q_len, sinks, dtype=torch.bool, device=device), view.mask], 1)
@@ -158,21 +159,33 @@ class TorchAttentionBackend(AttentionBackend):
                scale: float, softcap: Optional[float], q_sink: Optional[torch.Tensor] = None) -> torch.Tensor:
         """A chunk's output, in the dtype it attended in (the caller's rows of the output take it
         in q's dtype: one conversion)."""
-        mask, sink_columns = (None, None) if view is None else (view.mask, view.sink_columns)
-        written_out = softcap is not None or sink_columns is not None or q_sink is not None
+        keys, values = self._chunk_keys(layer, k, v, storage, span, view)
+        return self._attend_chunk(q, keys, values, view, scale, softcap, q_sink)
+
+    def _chunk_keys(self, layer: int, k: torch.Tensor, v: torch.Tensor, storage: Optional[KVStorage],
+                    span: PrefillSpan, view: Optional[ChunkView]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values the chunk's view indexes: its own fresh K/V as the cache gives them
+        back, or the cache's context (and the sinks before it)."""
         if view is None or not view.from_cache:  # the chunk's own fresh K/V, as the cache gives them back
             cast = storage.reads_back_as() if storage is not None and span.block_table is not None else None
-            keys, values = (k, v) if cast is None else (k.to(cast), v.to(cast))
-        else:
-            assert storage is not None and span.block_table is not None
-            offset = view.read_from * self.block_size
-            keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],
-                                                 span.context_len - span.q_len - offset, k, v)
-            if view.num_sinks:
-                sink_table = span.block_table[:cdiv(view.num_sinks, self.block_size)]
-                sk, sv = storage.gather(layer, sink_table, self.block_size)
-                keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
-                values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
+            return (k, v) if cast is None else (k.to(cast), v.to(cast))
+        assert storage is not None and span.block_table is not None
+        offset = view.read_from * self.block_size
+        keys, values = storage.chunk_context(layer, span.block_table[view.read_from:],
+                                             span.context_len - span.q_len - offset, k, v)
+        if view.num_sinks:
+            sink_table = span.block_table[:cdiv(view.num_sinks, self.block_size)]
+            sk, sv = storage.gather(layer, sink_table, self.block_size)
+            keys = torch.cat([sk[:view.num_sinks].to(keys.dtype), keys])
+            values = torch.cat([sv[:view.num_sinks].to(values.dtype), values])
+        return keys, values
+
+    def _attend_chunk(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      view: Optional[ChunkView], scale: float, softcap: Optional[float],
+                      q_sink: Optional[torch.Tensor]) -> torch.Tensor:
+        """The chunk's queries over its keys and values through the view's mask (none: causal)."""
+        mask, sink_columns = (None, None) if view is None else (view.mask, view.sink_columns)
+        written_out = softcap is not None or sink_columns is not None or q_sink is not None
         dtype = chunk_dtype(q, keys, written_out)
         return _attend_3d(q.to(dtype), keys.to(dtype), values.to(dtype), mask, scale, softcap, q_sink,
                           sink_columns)

@@ -51,7 +51,7 @@ def _parts() -> dict[str, list[tuple[type, str]]]:
 KERNEL_PARTS = {
     "matmul": ("linear_q8", "linear_quant", "linear_bf16", "linear_bf16_tiles"),
     "attention": ("paged_decode", "paged_decode_int8", "paged_decode_fp8", "paged_decode_int4", "store_kv",
-                  "store_kv_int8", "mla_decode", "mla_decode_int8", "mla_decode_fp8"),
+                  "store_kv_int8", "mla_decode", "mla_decode_int8", "mla_decode_fp8", "chunk_attention"),
     "norms": ("rms_norm", "add_rms_norm"),
     "rope": ("rope_qkv", "rotate_halves"),
 }

@@ -59,6 +59,7 @@ KERNEL_ISAS = {
     "layer_ops": ("portable", "avx2", "avx512"),
     "linear_kquant": ("portable", "avx2", "avx512", "avx512_vnni"),
     "mla_attention": ("portable", "avx2", "avx512"),
+    "chunk_attention": ("portable", "avx2", "avx512"),
 }
 # Flags a kernel adds to every level's: linear_kquant's dequantization must round the product and
 # the sum of `scale * q + offset` apart, as the gguf package does, never as one fused multiply-add

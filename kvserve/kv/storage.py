@@ -124,7 +124,7 @@ class KVStorage(ABC):
         (Windows and sinks narrow this by key position, in the backend.)"""
         q_pos = torch.arange(start, start + q_len, device=device).unsqueeze(1)
         k_pos = torch.arange(start + q_len, device=device)
-        return ChunkView(k_pos.unsqueeze(0) <= q_pos, key_positions=k_pos)
+        return ChunkView(k_pos.unsqueeze(0) <= q_pos, key_positions=k_pos, causal=True)
 
     def chunk_context(self, layer: int, block_table: torch.Tensor, start: int, k: torch.Tensor,
                       v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,6 +145,9 @@ class ChunkView:
     read_from: int = 0  # the first table entry chunk_context reads (the ones before: outside every window)
     num_sinks: int = 0  # columns of sink keys (positions 0..num_sinks-1) put before the context
     sink_columns: Optional[torch.Tensor] = None  # [S] bool: keys scored from the query's rank (sinks)
+    # the mask is plain causal: keys at positions 0..S-1, the chunk's queries the last q_len of
+    # them, each seeing every key up to its own (a kernel needs no mask to attend so)
+    causal: bool = False
 
 
 class BlockTensorStorage(KVStorage):
