@@ -105,8 +105,10 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         nothing written out (soft caps, sinks), fp32 queries on CPU and keys as wide as values,
         through the chunk kernel (keys neither fp32 nor bf16 made fp32 first); any other through
         SDPA."""
+        columns = q.shape[0] if view is None else view.mask.shape[1]  # the keys the mask is for
         if (self.chunks is None or softcap is not None or q_sink is not None or q.dtype != torch.float32
                 or not (view is None or view.causal) or keys.shape != values.shape
+                or keys.shape[0] != columns or q.shape[-1] != keys.shape[-1]
                 or q.shape[-1] not in self.chunk_head_dims or q.device.type != "cpu"):
             return super()._attend_chunk(q, keys, values, view, scale, softcap, q_sink)
         if keys.dtype not in (torch.float32, torch.bfloat16):

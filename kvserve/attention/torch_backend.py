@@ -78,7 +78,9 @@ class TorchAttentionBackend(AttentionBackend):
         view.read_from, view.key_positions = read_from, k_pos
         if window is not None:
             view.mask &= _in_window(k_pos, q_pos, window, sinks)
-        view.causal = view.causal and window is None and not sinks and not read_from
+        # still plain causal where the window reaches back to position 0 from every query
+        view.causal = (view.causal and not sinks and not read_from
+                       and (window is None or window >= span.context_len))
         if sinks and read_from:  # the sinks come first, seen by every query of the chunk
             view.num_sinks = sinks
             view.mask = torch.cat([torch.ones(span.q_len, sinks, dtype=torch.bool, device=device), view.mask], 1)

@@ -63,8 +63,9 @@ KERNEL_ISAS = {
 }
 # Flags a kernel adds to every level's: linear_kquant's dequantization must round the product and
 # the sum of `scale * q + offset` apart, as the gguf package does, never as one fused multiply-add
-# (its products use explicit FMA instructions, which this flag leaves alone).
-KERNEL_CFLAGS = {"linear_kquant": ("-ffp-contract=off",)}
+# (its products use explicit FMA instructions, which this flag leaves alone); chunk_attention sums
+# a query's keys in one order whichever chunk it is in, so the compiler may not regroup its sums.
+KERNEL_CFLAGS = {"linear_kquant": ("-ffp-contract=off",), "chunk_attention": ("-fno-associative-math",)}
 
 
 def module_name(kernel: str, isa: str) -> str:

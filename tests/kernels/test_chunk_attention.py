@@ -37,9 +37,17 @@ def inputs(lq: int, lk: int, h: int, kvh: int, d: int, dtype: torch.dtype, seed:
     return q, k, v
 
 
+# (heads, K/V heads, head dim): every head dim the kernel takes, GQA groups of 1 to 6
+HEADS = [(4, 2, 16), (4, 4, 32), (6, 1, 48), (9, 3, 64), (6, 2, 80), (8, 8, 96), (3, 1, 112), (8, 2, 128),
+         (4, 2, 160), (2, 2, 192), (4, 1, 256)]
+
+
+def test_every_head_dim_it_takes_is_tested(module):
+    assert sorted(d for _, _, d in HEADS) == module.head_dims()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("heads", [(9, 3, 64), (8, 2, 128), (4, 1, 256), (8, 8, 96), (4, 2, 16), (6, 1, 48)],
-                         ids=lambda s: "h{}-kv{}-d{}".format(*s))
+@pytest.mark.parametrize("heads", HEADS, ids=lambda s: "h{}-kv{}-d{}".format(*s))
 @pytest.mark.parametrize("lq, lk", [(1, 1), (7, 7), (16, 16), (17, 17), (65, 65), (140, 140), (1, 90),
                                     (20, 83), (64, 200)])
 def test_equals_float64_causal_attention(module, dtype, heads, lq, lk):
@@ -66,17 +74,20 @@ def test_rows_any_stride_apart(module):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_a_query_gets_the_same_numbers_in_any_chunk(module, dtype):
+@pytest.mark.parametrize("heads", [(8, 2, 64), (9, 3, 32), (6, 2, 80)],
+                         ids=lambda s: "h{}-kv{}-d{}".format(*s))
+def test_a_query_gets_the_same_numbers_in_any_chunk(module, dtype, heads):
     """A prompt of 150 tokens attended whole, or as chunks of 1, 16, 37 and 64 over the keys before
     them: every query's output is the same bit for bit (its keys summed in the same order)."""
-    q, k, v = inputs(150, 150, 8, 2, 64, dtype, seed=2)
+    q, k, v = inputs(150, 150, *heads, dtype, seed=2)
+    scale = heads[2] ** -0.5
     with torch_threads(2):
-        whole = module.chunk_attention(q, k, v, 0.125)
+        whole = module.chunk_attention(q, k, v, scale)
     for size in (1, 16, 37, 64):
         for start in range(0, 150, size):
             end = min(start + size, 150)
             with torch_threads(1 + start % 2):
-                part = module.chunk_attention(q[start:end], k[:end], v[:end], 0.125)
+                part = module.chunk_attention(q[start:end], k[:end], v[:end], scale)
             assert torch.equal(part, whole[start:end])
 
 
@@ -146,9 +157,32 @@ def test_the_backend_gives_the_kernel_plain_causal_chunks_only(backend):
     b._attend_chunk(q, k, v, None, 0.125, 30.0, None)  # soft-capped scores are written out
     b._attend_chunk(q[..., :8], k[..., :8], v[..., :8], None, 0.125, None, None)  # a head dim it lacks
     b._attend_chunk(q, k, v[..., :32], None, 0.125, None, None)  # values narrower than keys (MLA)
+    with pytest.raises(RuntimeError):  # fewer keys than the mask's columns: SDPA refuses, no kernel guess
+        b._attend_chunk(q, k[:12], v[:12], causal, 0.125, None, None)
     assert len(calls) == 2
     half = b._attend_chunk(q, k.half(), v.half(), None, 0.125, None, None)  # fp16 keys: made fp32
     assert len(calls) == 3 and (half.double() - exact(q, k.half(), v.half(), 0.125)).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("kind, window, sinks, causal", [
+    ("dense", None, 0, True), ("dense", 40, 0, True), ("dense", 39, 0, False), ("dense", 10, 0, False),
+    ("dense", None, 2, False), ("dense", 40, 2, False), ("int8", None, 0, True), ("int4", None, 0, False)])
+def test_a_view_is_plain_causal_only_where_its_mask_is(kind, window, sinks, causal):
+    """The torch backend's view of a chunk that follows cached keys (positions 24..39 over 0..39)
+    says it is plain causal where its mask is: no sinks, a window (if any) that reaches position 0
+    from every query, and the storage's own view causal (int4's tail of exact keys is not)."""
+    from kvserve.attention.backend import AttentionMetadata, PrefillSpan
+    from kvserve.attention.torch_backend import TorchAttentionBackend
+    from kvserve.kv.storage import make_storage
+    name = {"dense": "bfloat16", "int8": "int8", "int4": "int4"}[kind]
+    storage = make_storage(kind, name, [0], 8, 16, 2, 64, torch.float32, "cpu", num_residual_slots=1)
+    backend = TorchAttentionBackend(16, torch.float32)
+    span = PrefillSpan(q_start=0, q_len=16, context_len=40, block_table=torch.tensor([3, 1, 5]))
+    view = backend._chunk_view(span, storage, AttentionMetadata(sliding_window=window, sinks=sinks))
+    assert view is not None and view.from_cache and view.causal == causal
+    if causal:  # then the mask is every key up to the query's own position
+        plain = torch.arange(40)[None] <= torch.arange(24, 40)[:, None]
+        assert torch.equal(view.mask, plain)
 
 
 @pytest.mark.parametrize("cache", ["bfloat16", "float32"])

@@ -1,24 +1,26 @@
 // Causal attention of a prompt's chunk on CPU: Lq queries over Lk keys, the chunk's positions
 // being the last Lq of the Lk (query i sees keys 0 .. Lk - Lq + i), in fp32 over fp32 or bf16
 // keys and values (what a dense cache gives back), as flash attention does it: each task takes
-// up to 16 positions of one K/V head's query heads, walks the keys in blocks of 16 with the
-// softmax online, and never holds more than a block's scores.
+// up to 16 positions of one K/V head's query heads and walks the keys in blocks of up to 64 (four
+// sub-blocks of 16), the softmax online, never holding more than a block's scores.
 //
 //   q    [Lq, H, D] fp32      (H = KVH * G query heads; G share one K/V head)
 //   k, v [Lk, KVH, D] fp32 or bf16, rows any stride apart (each row's heads contiguous)
 //   out  [Lq, H, D] fp32
 //
-// A key block is turned to fp32 once a task, keys transposed ([D][16]: a query's 16 scores are
-// one vector of multiply-adds over D) and values as rows (a row of weights times 16 rows of V);
-// scores take 8 query rows at a time, the weighted sum of V 2 (D <= 64) or 1, their sums in
-// registers over the block. D is a template argument (multiples of 16 to 256): the compiler
-// vectorizes the fixed-size loops at the build's level (setup.py builds this file once per level:
-// portable, AVX2, AVX-512), and the exponentials use vec_math.h's where the level has them.
+// A key block is turned to fp32 once a task, keys transposed ([D][16] a sub-block: a query's 16
+// scores are one vector of multiply-adds over D) and values as rows (a row of weights times the
+// block's rows of V). Scores take 8 query rows at a time (AVX2 and portable: 4), the weighted sum
+// of V up to 128 channels of 2 rows or 1 (AVX2 and portable: 64), their sums in registers over
+// the block. D is a template argument, one of head_dims(): the compiler vectorizes the
+// fixed-size loops at the build's level (setup.py builds this file once per level: portable,
+// AVX2, AVX-512), and the exponentials use vec_math.h's where the level has them.
 //
 // Each query's keys are summed in the same order, blocks from position 0, whichever chunk the
-// query is in: a prompt prefilled whole or in chunks gets the same numbers. Tasks are split over
-// threads by their keys (a causal chunk's last positions read the most), as evenly as whole tasks
-// allow.
+// query is in: the kernel gives a query the same numbers in a whole prompt or in any chunk of it
+// (built without -fassociative-math, so that the compiler keeps the sums' order: levels.py).
+// Tasks are split over threads by their keys (a causal chunk's last positions read the most), as
+// evenly as whole tasks allow.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <pybind11/stl.h>                // head_dims' list
@@ -30,6 +32,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -264,7 +267,9 @@ void run(const Chunk<T>& c) {
   for (int64_t i = 0; i < tasks; ++i) before[i + 1] = before[i] + c.keys(i % spans * kPositions);
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
-    TaskBuffers<D> b;
+    // on the heap: 128 KiB at D = 256, more than a small OMP_STACKSIZE gives a thread
+    const auto buffers = std::make_unique<TaskBuffers<D>>();
+    TaskBuffers<D>& b = *buffers;
     for (int64_t t = begin; t < end; ++t) {
       // the tasks whose cost starts in this thread's share of the whole
       for (int64_t i = 0; i < tasks; ++i) {
