@@ -67,7 +67,9 @@ async def run(a: ServeBenchOptions) -> dict[str, Any]:
     import httpx
     rng = random.Random(a.bench_seed)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    async with httpx.AsyncClient(timeout=600) as client:
+    # a connection a request: a server may close a kept-alive connection just as the next request
+    # goes out on it (llama-server closes one after a few requests), which fails that request
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         model = a.model or (await client.get(a.url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         bodies = [{"model": model, "prompt": " ".join(rng.choice(WORDS) for _ in range(a.input_len)),
                    "max_tokens": a.output_len, "temperature": 0, "ignore_eos": True, "stream": True,
