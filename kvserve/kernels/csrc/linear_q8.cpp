@@ -11,8 +11,12 @@
 //   Q4_1  d dx S + m dx sumq     Q4_0  d dx (S - 8 sumq)     Q8_0  d dx S      S = sum(q xq), exact
 // so the result is the float product of W with the rounded x (each x off by at most dx / 2), up
 // to the order of the float sums. kvserve.models.packed.linear_q8_reference is the same in torch.
-// The unsigned-times-signed byte products take Q4's q as they are and Q8_0's as |q| times x with
-// q's sign.
+// The unsigned-times-signed byte products take Q4's q as they are. Q8_0's q are signed: the
+// AVX-512 VNNI build takes q + 128 (the sign bit flipped as the bytes are loaded) and subtracts
+// 128 sumq from each block's sum, the same integer S; the AVX2 build, whose pairs of byte
+// products are summed in int16, takes |q| times x with q's sign. SmolLM2's Q8_0 head [49152 x
+// 576] on AMD EPYC Zen 4 (2 threads, medians of 11, outputs equal bit for bit): 8 rows 1.73 ms
+// against 2.20 with |q| and the sign, 64 rows 8.38 against 10.74, 256 rows 42.4 against 53.7.
 //
 // Weight layout ("panels"; GGUF's bytes, reordered once at load): the rows of W go in panels of
 // 16 (the last one padded with zero rows), a panel being 16 * row bytes:
@@ -116,6 +120,12 @@ struct V {
   static I finish_q4(I acc) { return acc; }
   static I add_q4(I a, I b) { return _mm512_add_epi32(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
+  // Q8_0's signed q taken as q + 128 (its sign bit flipped: unsigned), multiplied as they come
+  // and 128 sumq taken off each block's sum (as Q4_0's 8 sumq): the same integer S with one dot
+  // product instead of three instructions (vpdpbusd sums four products to int32, nothing to
+  // saturate: at most 32 * 255 * 127). Measured in the header.
+  static constexpr bool kQ8Biased = true;
+  static I biased(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
   // s8 x s8: |w| as the unsigned side, x negated where w is negative
   static I dot_signed(I acc, I w, I x) {
     return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
@@ -167,7 +177,10 @@ struct V {
   // the two halves of a block's Q4 sums, still in int16 (at most 30480 together)
   static I add_q4(I a, I b) { return _mm256_add_epi16(a, b); }
   static I add(I a, I b) { return _mm256_add_epi32(a, b); }
-  // s8 x s8: |w| (at most 128) as the unsigned side, so pairs stay within int16
+  // s8 x s8: |w| (at most 128) as the unsigned side, so pairs stay within int16 (q + 128 would
+  // not: two products of 255 * 127 saturate the int16 pair sum)
+  static constexpr bool kQ8Biased = false;
+  static I biased(I w) { return w; }
   static I dot_signed(I acc, I w, I x) { return dot(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static F zerof() { return _mm256_setzero_ps(); }
@@ -317,7 +330,10 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
-        if (FMT == kQ8_0) {
+        if (FMT == kQ8_0 && V::kQ8Biased) {
+          lo[v] = V::biased(V::load(col[v] + b * qb + c * 64));
+          hi[v] = V::biased(V::load(col[v] + b * qb + (c + 4) * 64));
+        } else if (FMT == kQ8_0) {
           lo[v] = V::load(col[v] + b * qb + c * 64);
           hi[v] = V::load(col[v] + b * qb + (c + 4) * 64);
         } else {
@@ -334,8 +350,13 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
         const typename V::I bl = V::set1(xl), bh = V::set1(xh);
         for (int v = 0; v < NV; ++v) {
           typename V::I &L = S[0][m][v], &H = S[kSums - 1][m][v];
-          L = FMT == kQ8_0 ? V::dot_signed(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
-          H = FMT == kQ8_0 ? V::dot_signed(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
+          if constexpr (FMT == kQ8_0 && V::kQ8Biased) {
+            L = V::dot(L, lo[v], bl);
+            H = V::dot(H, hi[v], bh);
+          } else {
+            L = FMT == kQ8_0 ? V::dot_signed(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
+            H = FMT == kQ8_0 ? V::dot_signed(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
+          }
         }
       }
     }
@@ -348,12 +369,14 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * nb + b;
       const typename V::F dx = V::set1f(q.dx[at]), sx = V::set1f(q.sx[at]);
-      const typename V::I eight_sumq = V::set1(8 * q.sumq[at]);
+      // what the q's offset adds to S: Q4_0's 8 sumq, biased Q8_0's 128 sumq
+      constexpr bool kOffset = FMT == kQ4_0 || (FMT == kQ8_0 && V::kQ8Biased);
+      const typename V::I offset_sumq = V::set1((FMT == kQ4_0 ? 8 : 128) * q.sumq[at]);
       for (int v = 0; v < NV; ++v) {
         typename V::I sum = S[0][m][v];
         if constexpr (kSplit) sum = FMT == kQ8_0 ? V::add(sum, S[1][m][v]) : V::add_q4(sum, S[1][m][v]);
         const typename V::I whole = FMT == kQ8_0 ? sum : V::finish_q4(sum);
-        const typename V::I s = FMT == kQ4_0 ? V::sub(whole, eight_sumq) : whole;
+        const typename V::I s = kOffset ? V::sub(whole, offset_sumq) : whole;
         acc[m][v] = V::fma(V::tofloat(s), V::mul(d[v], dx), acc[m][v]);
         if (FMT == kQ4_1) acc[m][v] = V::fma(mn[v], sx, acc[m][v]);
       }
