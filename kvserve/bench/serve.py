@@ -68,7 +68,8 @@ async def run(a: ServeBenchOptions) -> dict[str, Any]:
     rng = random.Random(a.bench_seed)
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     # a connection a request: a server may close a kept-alive connection just as the next request
-    # goes out on it (llama-server closes one after a few requests), which fails that request
+    # goes out on it (llama-server closes one after a few requests), which fails that request.
+    # (The limits also lift httpx's default cap of 100 connections, whose queue TTFT would count.)
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) as client:
         model = a.model or (await client.get(a.url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         bodies = [{"model": model, "prompt": " ".join(rng.choice(WORDS) for _ in range(a.input_len)),

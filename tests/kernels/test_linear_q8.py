@@ -300,3 +300,26 @@ def test_module_takes_every_row_count_through_the_kernel():
     x = torch.randn(9, 64)
     assert torch.allclose(PackedLinearQ8(PackedLinear(q8_0))(x).double(), linear_q8_reference(x, q8_0),
                           rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("m", [1, 3, 4, 7, 64])
+def test_q8_0_extreme_codes_give_the_exact_integer_sums(isa, m):
+    """Q8_0 codes -128 and 127 among others, scales 1, and activations whose blocks already are
+    integers up to 127 (so the 8-bit rounding keeps them): every level gives sum(q x) exactly,
+    whichever way it takes the signed codes (AVX-512 VNNI: q + 128, less 128 times the block's
+    sum of x)."""
+    kernel = compiled_kernel("linear_q8", isa)
+    n, k = 40, 576
+    g = torch.Generator().manual_seed(m)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    q[0], q[1], q[2, ::2] = -128, 127, -128
+    x = torch.randint(-127, 128, (m, k), generator=g).float()
+    x[:, ::32] = 127.0  # each block's largest magnitude 127: a step of 1
+    x[0, 1::32] = -127.0
+    d = torch.ones(1, dtype=torch.float16).view(torch.uint8).repeat(n, k // 32, 1)  # [n, nb, 2]
+    data = torch.cat([d, q.view(torch.uint8).reshape(n, k // 32, 32)], -1).reshape(n, -1).contiguous()
+    fmt = FORMATS["q8_0"]
+    panels = kernel.pack_panels(data, fmt.ggml_type, k)
+    y = kernel.linear_q8(x, panels, fmt.ggml_type, k, n, None)
+    assert torch.equal(y.double(), x.double() @ q.double().T)
