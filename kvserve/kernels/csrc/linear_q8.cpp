@@ -122,16 +122,13 @@ struct V {
   static I finish_q4(I acc) { return acc; }
   static I add_q4(I a, I b) { return _mm512_add_epi32(a, b); }
   static I add(I a, I b) { return _mm512_add_epi32(a, b); }
-  // Q8_0's signed q taken as q + 128 (its sign bit flipped: unsigned), multiplied as they come
-  // and 128 sumq taken off each block's sum (as Q4_0's 8 sumq): the same integer S with one dot
-  // product instead of three instructions (vpdpbusd sums four products to int32, nothing to
-  // saturate: at most 32 * 255 * 127). Measured in the header.
+  // Q8_0's signed q taken as q + 128 (its sign bit flipped as loaded: unsigned), multiplied as
+  // they come and 128 sumq taken off each block's sum (as Q4_0's 8 sumq): the same integer S with
+  // one dot product instead of three instructions (vpdpbusd sums four products to int32, nothing
+  // to saturate: at most 32 * 255 * 127). Measured in the header.
   static constexpr bool kQ8Biased = true;
-  static I biased(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
-  // s8 x s8: |w| as the unsigned side, x negated where w is negative
-  static I dot_signed(I acc, I w, I x) {
-    return _mm512_dpbusd_epi32(acc, _mm512_abs_epi8(w), _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x));
-  }
+  static I q8(I w) { return _mm512_xor_si512(w, _mm512_set1_epi8(-128)); }
+  static I dot_q8(I acc, I w, I x) { return dot(acc, w, x); }
   static I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F set1f(float v) { return _mm512_set1_ps(v); }
@@ -185,8 +182,8 @@ struct V {
   // s8 x s8: |w| (at most 128) as the unsigned side, so pairs stay within int16 (q + 128 would
   // not: two products of 255 * 127 saturate the int16 pair sum)
   static constexpr bool kQ8Biased = false;
-  static I biased(I w) { return w; }
-  static I dot_signed(I acc, I w, I x) { return dot(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
+  static I q8(I w) { return w; }
+  static I dot_q8(I acc, I w, I x) { return dot(acc, _mm256_abs_epi8(w), _mm256_sign_epi8(x, w)); }
   static I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F set1f(float v) { return _mm256_set1_ps(v); }
@@ -339,12 +336,9 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
       // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
-        if (FMT == kQ8_0 && V::kQ8Biased) {
-          lo[v] = V::biased(V::load(col[v] + b * qb + c * 64));
-          hi[v] = V::biased(V::load(col[v] + b * qb + (c + 4) * 64));
-        } else if (FMT == kQ8_0) {
-          lo[v] = V::load(col[v] + b * qb + c * 64);
-          hi[v] = V::load(col[v] + b * qb + (c + 4) * 64);
+        if (FMT == kQ8_0) {
+          lo[v] = V::q8(V::load(col[v] + b * qb + c * 64));
+          hi[v] = V::q8(V::load(col[v] + b * qb + (c + 4) * 64));
         } else {
           const typename V::I bytes = V::load(col[v] + b * qb + c * 64);
           lo[v] = V::low(bytes);
@@ -359,13 +353,8 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
         const typename V::I bl = V::set1(xl), bh = V::set1(xh);
         for (int v = 0; v < NV; ++v) {
           typename V::I &L = S[0][m][v], &H = S[kSums - 1][m][v];
-          if constexpr (FMT == kQ8_0 && V::kQ8Biased) {
-            L = V::dot(L, lo[v], bl);
-            H = V::dot(H, hi[v], bh);
-          } else {
-            L = FMT == kQ8_0 ? V::dot_signed(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
-            H = FMT == kQ8_0 ? V::dot_signed(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
-          }
+          L = FMT == kQ8_0 ? V::dot_q8(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
+          H = FMT == kQ8_0 ? V::dot_q8(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
         }
       }
     }
