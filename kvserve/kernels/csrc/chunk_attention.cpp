@@ -108,23 +108,26 @@ struct Chunk {
   int64_t keys(int64_t t0) const { return offset() + std::min(t0 + kPositions, Lq); }
 };
 
+// Query rows padded to whole tiles of kScoreRows.
+inline int64_t padded_rows(int64_t rows) { return (rows + kScoreRows - 1) / kScoreRows * kScoreRows; }
+
 // A task's state: its query rows (position-major: row r is position t0 + r / G, head kh * G +
-// r % G), scaled and padded to whole tiles of kScoreRows; their running max, sum and output;
-// and a block of up to kWidth keys (transposed: kt[d] is 16 keys' channel d, a sub-block after
-// another) and values in fp32.
+// r % G), scaled and padded to whole tiles of kScoreRows; their running max, sum, output and
+// the factor a block rescales the output by; and a block of up to kWidth keys (transposed: kt[d]
+// is 16 keys' channel d, a sub-block after another) and values in fp32.
 template <int D>
 struct TaskBuffers {
-  std::vector<float> q, o, m, l, s;
+  std::vector<float> q, o, m, l, s, correction;
   alignas(64) float kt[kSubBlocks][D][kKeys];
   alignas(64) float vb[kWidth][D];
 
   void reset(int64_t rows) {
-    const int64_t padded = (rows + kScoreRows - 1) / kScoreRows * kScoreRows;
-    q.assign(padded * D, 0.f);
+    q.assign(padded_rows(rows) * D, 0.f);
     o.assign(rows * D, 0.f);
     m.assign(rows, -std::numeric_limits<float>::infinity());
     l.assign(rows, 0.f);
-    s.assign(padded * kWidth, 0.f);
+    s.assign(padded_rows(rows) * kWidth, 0.f);
+    correction.assign(rows, 1.f);
   }
 };
 
@@ -229,8 +232,7 @@ void run_task(const Chunk<T>& c, TaskBuffers<D>& b, int64_t kh, int64_t t0) {
     const float* qr = c.q + (t0 + r / G) * c.q_stride + (kh * G + r % G) * D;
     for (int d = 0; d < D; ++d) b.q[r * D + d] = qr[d] * c.scale;
   }
-  const int64_t padded = (rows + kScoreRows - 1) / kScoreRows * kScoreRows, keys = c.keys(t0);
-  std::vector<float> correction(rows);
+  const int64_t padded = padded_rows(rows), keys = c.keys(t0);
   for (int64_t k0 = 0; k0 < keys; k0 += kWidth) {
     const int64_t subs = std::min(kSubBlocks, (keys - k0 + kKeys - 1) / kKeys), n = subs * kKeys;
     load_block(c, b, kh, k0, subs);
@@ -242,15 +244,15 @@ void run_task(const Chunk<T>& c, TaskBuffers<D>& b, int64_t kh, int64_t t0) {
       float* s = b.s.data() + r * kWidth;
       if (seen <= 0) {  // none: its weights are zero, its state unchanged
         std::fill(s, s + n, 0.f);
-        correction[r] = 1.f;
+        b.correction[r] = 1.f;
         continue;
       }
-      correction[r] = softmax_step(s, n, seen, b.m[r], b.l[r]);
+      b.correction[r] = softmax_step(s, n, seen, b.m[r], b.l[r]);
     }
     constexpr int kPair = D <= kChannels / 2 ? 2 : 1;
     int64_t r = 0;
-    for (; r + kPair <= rows; r += kPair) accumulate_rows<D, kPair>(b, r, n, correction.data() + r);
-    for (; r < rows; ++r) accumulate_rows<D, 1>(b, r, n, correction.data() + r);
+    for (; r + kPair <= rows; r += kPair) accumulate_rows<D, kPair>(b, r, n, b.correction.data() + r);
+    for (; r < rows; ++r) accumulate_rows<D, 1>(b, r, n, b.correction.data() + r);
   }
   for (int64_t r = 0; r < rows; ++r) {
     float* out = c.out + ((t0 + r / G) * c.H + kh * G + r % G) * D;
@@ -280,24 +282,19 @@ void run(const Chunk<T>& c) {
   });
 }
 
-std::vector<int64_t> head_dims() { return {16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256}; }
+// The head dims the kernel is built for: one instantiation of run each.
+template <int... Ds>
+struct Dims {};
+using HeadDims = Dims<16, 32, 48, 64, 80, 96, 112, 128, 160, 192, 256>;
 
-template <typename T>
-void dispatch(const Chunk<T>& c, int64_t D) {
-  switch (D) {
-    case 16: return run<16>(c);
-    case 32: return run<32>(c);
-    case 48: return run<48>(c);
-    case 64: return run<64>(c);
-    case 80: return run<80>(c);
-    case 96: return run<96>(c);
-    case 112: return run<112>(c);
-    case 128: return run<128>(c);
-    case 160: return run<160>(c);
-    case 192: return run<192>(c);
-    case 256: return run<256>(c);
-    default: TORCH_CHECK(false, "chunk_attention takes the head dims head_dims() lists (16 to 256), not ", D);
-  }
+template <int... Ds>
+std::vector<int64_t> listed(Dims<Ds...>) { return {Ds...}; }
+std::vector<int64_t> head_dims() { return listed(HeadDims{}); }
+
+template <typename T, int... Ds>
+void dispatch(const Chunk<T>& c, int64_t D, Dims<Ds...>) {
+  const bool ran = ((D == Ds && (run<Ds>(c), true)) || ...);
+  TORCH_CHECK(ran, "chunk_attention takes the head dims head_dims() lists (16 to 256), not ", D);
 }
 
 at::Tensor chunk_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scale) {
@@ -320,11 +317,13 @@ at::Tensor chunk_attention(at::Tensor q, at::Tensor k, at::Tensor v, double scal
   const float* qp = qc.data_ptr<float>();
   if (k.scalar_type() == at::kFloat) {
     const float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
-    dispatch(Chunk<float>{qp, kp, vp, o, Lq, Lk, H, KVH, sq, sk, sv, static_cast<float>(scale)}, D);
+    const Chunk<float> c{qp, kp, vp, o, Lq, Lk, H, KVH, sq, sk, sv, static_cast<float>(scale)};
+    dispatch(c, D, HeadDims{});
   } else {
     using B = c10::BFloat16;
     const B *kp = kc.data_ptr<B>(), *vp = vc.data_ptr<B>();
-    dispatch(Chunk<B>{qp, kp, vp, o, Lq, Lk, H, KVH, sq, sk, sv, static_cast<float>(scale)}, D);
+    const Chunk<B> c{qp, kp, vp, o, Lq, Lk, H, KVH, sq, sk, sv, static_cast<float>(scale)};
+    dispatch(c, D, HeadDims{});
   }
   return out;
 }
