@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include <pybind11/stl.h>                // head_dims' list
+#include "parallel_tasks.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -265,20 +266,12 @@ template <int D, typename T>
 void run(const Chunk<T>& c) {
   const int64_t spans = (c.Lq + kPositions - 1) / kPositions, tasks = c.KVH * spans;
   // task i: K/V head i / spans, positions (i % spans) * 16; its cost is its keys
-  std::vector<int64_t> before(tasks + 1, 0);
-  for (int64_t i = 0; i < tasks; ++i) before[i + 1] = before[i] + c.keys(i % spans * kPositions);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), tasks));
-  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t i) { return c.keys(i % spans * kPositions); };
+  kvserve::parallel_by_cost(tasks, cost, [&](int64_t begin, int64_t end) {
     // on the heap: 128 KiB at D = 256, more than a small OMP_STACKSIZE gives a thread
     const auto buffers = std::make_unique<TaskBuffers<D>>();
     TaskBuffers<D>& b = *buffers;
-    for (int64_t t = begin; t < end; ++t) {
-      // the tasks whose cost starts in this thread's share of the whole
-      for (int64_t i = 0; i < tasks; ++i) {
-        if (before[i] * threads / before[tasks] != t) continue;
-        run_task<D>(c, b, i / spans, i % spans * kPositions);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i) run_task<D>(c, b, i / spans, i % spans * kPositions);
   });
 }
 

@@ -21,10 +21,12 @@
 // Each context is split into parts along its blocks (one task a part, so batch 1 keeps every
 // thread busy), the softmax kept online within a part (running max m, sum l of e^(s - m), sum acc
 // of e^(s - m) c per head) and the parts merged at the end. Scores and accumulation are fp32.
+// The tasks are split over the threads by the blocks each reads (parallel_tasks.h).
 // Dot products and the weighted sums take 16 lanes (AVX-512), 8 lanes (AVX2) or plain loops
 // (portable); setup.py builds this file once per level, `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#include "parallel_tasks.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -38,6 +40,7 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -141,6 +144,15 @@ inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
   return std::max<int64_t>(1, std::min(want, (longest + kMinPartTokens - 1) / kMinPartTokens));
 }
 
+// Blocks [pb0, pb1) of part `part` of P of a context attending to positions [first, len): an
+// equal share of the blocks holding them (none where pb0 >= pb1: the blocks ran out first).
+inline std::pair<int64_t, int64_t> part_blocks(int64_t first, int64_t len, int64_t BS, int64_t P,
+                                               int64_t part) {
+  const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
+  const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per;
+  return {pb0, std::min(blk0 + nblk, pb0 + per)};
+}
+
 struct Dims {
   int64_t B, H, W, R, BS, max_blocks, window;
 };
@@ -180,7 +192,13 @@ void decode(const scalar_t* q, const Src& src, const int64_t* tables, const int6
   for (int64_t b = 0; b < d.B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], d.window));
   const int64_t P = parts_per_sequence(d.B, longest), H = d.H, R = d.R, W = d.W;
   std::vector<float> part_m(d.B * P * H), part_l(d.B * P * H), part_acc(d.B * P * H * R);
-  at::parallel_for(0, d.B * P, 1, [&](int64_t begin, int64_t end) {
+  // a task's cost: the blocks it reads, and one for what it does before reading any
+  const auto cost = [&](int64_t idx) {
+    const int64_t b = idx / P;
+    const auto [pb0, pb1] = part_blocks(window_begin(lens[b], d.window), lens[b], d.BS, P, idx % P);
+    return std::max<int64_t>(0, pb1 - pb0) + 1;
+  };
+  kvserve::parallel_by_cost(d.B * P, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * W), buf(d.BS * W), s(d.BS);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / P, part = idx % P, first = window_begin(lens[b], d.window), len = lens[b];
@@ -190,8 +208,7 @@ void decode(const scalar_t* q, const Src& src, const int64_t* tables, const int6
       std::fill(m, m + H, -std::numeric_limits<float>::infinity());
       std::fill(l, l + H, 0.f);
       std::fill(acc, acc + H * R, 0.f);
-      const int64_t blk0 = first / d.BS, nblk = len > first ? (len - 1) / d.BS - blk0 + 1 : 0;
-      const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per, pb1 = std::min(blk0 + nblk, pb0 + per);
+      const auto [pb0, pb1] = part_blocks(first, len, d.BS, P, part);
       if (pb0 >= pb1) continue;
       for (int64_t i = 0; i < H * W; ++i) qf[i] = static_cast<float>(q[b * H * W + i]) * scale;
       attend_part(qf.data(), src, tables + b * d.max_blocks, first, len, pb0, pb1, d, buf.data(), s.data(), m, l,

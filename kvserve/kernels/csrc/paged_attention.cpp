@@ -29,9 +29,11 @@
 // query heads per K/V head, runs one task a (part, K/V head) that walks the part's blocks twice
 // (K, then V). The build decides which exist
 // (setup.py builds this file once per instruction-set level and loads the one the CPU
-// runs); `isa()` names the build.
+// runs); `isa()` names the build. Both split their tasks over the threads by the positions each
+// reads (parallel_tasks.h), not by their count.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "parallel_tasks.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -457,6 +459,14 @@ inline PartSpan part_span(int64_t first, int64_t len, int64_t BS, int64_t P, int
   return {std::max(first, pb0 * BS), std::min(len, pb1 * BS)};
 }
 
+// What the task of sequence b's part `part` costs a thread, in positions: those it reads, and a
+// block's worth for what it does before reading any (its queries, its part's sums).
+inline int64_t part_cost(const int64_t* lens, int64_t window, int64_t BS, int64_t P, int64_t b,
+                         int64_t part) {
+  const PartSpan span = part_span(window_begin(lens[b], window), lens[b], BS, P, part);
+  return (span.empty() ? 0 : span.end - span.begin) + BS;
+}
+
 // Each (sequence, part)'s softmax over its positions, per query head: the largest score m, the
 // sum l of e^(s - m) and the unnormalized output acc = sum of e^(s - m) v [D]. A part with no
 // positions keeps l = 0 and is skipped by the merge.
@@ -505,7 +515,8 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
                      float scale, int64_t window) {
   const int64_t G = H / KVH, P = parts_per_sequence(B, longest_attended(lens, B, window));
   PartStates st(B, P, H, D);
-  at::parallel_for(0, B * P, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t idx) { return part_cost(lens, window, BS, P, idx / P, idx % P); };
+  kvserve::parallel_by_cost(B * P, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(H * D), kbuf(BS * D), vbuf(BS * D), sc(G * BS);
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / P, part = idx % P;
@@ -868,7 +879,10 @@ void decode_avx512(const scalar_t* q, const KSrc& ks, const VSrc& vs, const int6
   constexpr int64_t D = NV * 16;
   const int64_t G = H / KVH, P = parts_per_sequence(B, longest_attended(lens, B, window));
   PartStates st(B, P, H, D);
-  at::parallel_for(0, B * P * KVH, 1, [&](int64_t begin, int64_t end) {
+  const auto cost = [&](int64_t idx) {
+    return part_cost(lens, window, BS, P, idx / (P * KVH), idx / KVH % P);
+  };
+  kvserve::parallel_by_cost(B * P * KVH, cost, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), buf(BS * D), row_scale(BS + 16, 0.f), scores;
     for (int64_t idx = begin; idx < end; ++idx) {
       const int64_t b = idx / (P * KVH), part = idx / KVH % P, kh = idx % KVH;
