@@ -48,7 +48,8 @@ def main() -> None:
     module = kernels.load("paged_attention")
     if module is None:
         raise SystemExit(f"no paged_attention kernel: {kernels.failure('paged_attention')}")
-    print(f"paged_attention ({module.isa()}), {a.threads} thread(s), bf16 cache, ms a layer (medians of {a.repeats})")
+    print(f"paged_attention ({module.isa()}), {a.threads} thread(s), bf16 cache, "
+          f"ms a layer (medians of {a.repeats})")
     g = torch.Generator().manual_seed(0)
     for batch in a.batches:
         lens = torch.randint(SHORTEST, LONGEST + 1, (batch,), generator=g)
@@ -59,7 +60,8 @@ def main() -> None:
         k = torch.randn(blocks, BLOCK, KVH, D, generator=g).bfloat16()
         v = torch.randn(blocks, BLOCK, KVH, D, generator=g).bfloat16()
         perm = torch.randperm(blocks - 1, generator=g)
-        tables = [perm[i * batch * per:(i + 1) * batch * per].view(batch, per).contiguous() for i in range(LAYERS)]
+        tables = [perm[i * batch * per:(i + 1) * batch * per].view(batch, per).contiguous()
+                  for i in range(LAYERS)]
         q = torch.randn(batch, H, D, generator=g)
         for name, n in orders.items():
             got = module.paged_decode(q, k, v, tables[0], n, D ** -0.5, 0)

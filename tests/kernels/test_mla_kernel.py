@@ -72,7 +72,6 @@ def test_a_long_context_split_into_parts_equals_torch(mla_module):
     assert (out - ref).abs().max().item() < 1e-5
 
 
-
 def test_a_batch_of_lengths_in_order_is_split_by_cost(mla_module):
     """Contexts of 1 to 900 tokens in ascending order, split over the threads by the blocks each
     reads: every one attended (within 1e-5 of torch's), the same bit for bit on 1, 2 and 3
@@ -87,6 +86,7 @@ def test_a_batch_of_lengths_in_order_is_split_by_cost(mla_module):
             outs.append(kernel(q, *storage.decode_operands(0), tables, n, 0.2, 0))
     assert (outs[0] - ref).abs().max().item() < 1e-5
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
+
 
 def test_bf16_queries_over_a_bf16_cache(mla_module):
     storage, tables, n = filled_latents("bfloat16", [9, 40], 32, 16)
