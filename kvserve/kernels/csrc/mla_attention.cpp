@@ -26,6 +26,7 @@
 // (portable); setup.py builds this file once per level, `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>
+#include "context_parts.h"
 #include "parallel_tasks.h"
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -134,24 +135,11 @@ struct Fp8Code {
   float operator()(uint8_t c) const { return table[c]; }
 };
 
-inline int64_t window_begin(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
-
-// Enough (sequence, part) tasks to keep every thread busy when the batch is small, no part
-// shorter than kMinPartTokens.
-constexpr int64_t kMinPartTokens = 64;
-inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
-  const int64_t want = (4 * at::get_num_threads() + B - 1) / B;
-  return std::max<int64_t>(1, std::min(want, (longest + kMinPartTokens - 1) / kMinPartTokens));
-}
-
-// Blocks [pb0, pb1) of part `part` of P of a context attending to positions [first, len): an
-// equal share of the blocks holding them (none where pb0 >= pb1: the blocks ran out first).
-inline std::pair<int64_t, int64_t> part_blocks(int64_t first, int64_t len, int64_t BS, int64_t P,
-                                               int64_t part) {
-  const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
-  const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per;
-  return {pb0, std::min(blk0 + nblk, pb0 + per)};
-}
+// How contexts are cut into parts: context_parts.h (shared with paged_attention.cpp).
+using kvserve::longest_attended;
+using kvserve::part_blocks;
+using kvserve::parts_per_sequence;
+using kvserve::window_begin;
 
 struct Dims {
   int64_t B, H, W, R, BS, max_blocks, window;
@@ -188,9 +176,7 @@ void attend_part(const float* qf, const Src& src, const int64_t* table, int64_t 
 template <typename scalar_t, typename Src>
 void decode(const scalar_t* q, const Src& src, const int64_t* tables, const int64_t* lens, scalar_t* out,
             const Dims& d, float scale) {
-  int64_t longest = 0;
-  for (int64_t b = 0; b < d.B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], d.window));
-  const int64_t P = parts_per_sequence(d.B, longest), H = d.H, R = d.R, W = d.W;
+  const int64_t P = parts_per_sequence(d.B, longest_attended(lens, d.B, d.window)), H = d.H, R = d.R, W = d.W;
   std::vector<float> part_m(d.B * P * H), part_l(d.B * P * H), part_acc(d.B * P * H * R);
   // a task's cost: the blocks it reads, and one for what it does before reading any
   const auto cost = [&](int64_t idx) {

@@ -33,6 +33,7 @@
 // reads (parallel_tasks.h), not by their count.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "context_parts.h"
 #include "parallel_tasks.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
@@ -306,8 +307,11 @@ inline void for_each_row(const Src& src, const int64_t* table, int64_t begin, in
   }
 }
 
-// The first position a query at L - 1 attends to: its last `window` positions (0: all).
-inline int64_t window_begin(int64_t L, int64_t window) { return window > 0 ? std::max<int64_t>(0, L - window) : 0; }
+// How contexts are cut into parts: context_parts.h (shared with mla_attention.cpp).
+using kvserve::longest_attended;
+using kvserve::part_blocks;
+using kvserve::parts_per_sequence;
+using kvserve::window_begin;
 
 // The G query heads of sequence b that share KV head kh, as fp32 times the softmax scale: qf [G, D].
 template <typename scalar_t>
@@ -428,22 +432,6 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// How many parts each context is split into: enough (sequence, part) tasks to keep every thread
-// busy when the batch is small, none shorter than kMinPartTokens. Both paths cut by this rule.
-constexpr int64_t kMinPartTokens = 64;
-
-inline int64_t parts_per_sequence(int64_t B, int64_t longest) {
-  const int64_t want = (4 * at::get_num_threads() + B - 1) / B;  // about 4 tasks a thread
-  return std::max<int64_t>(1, std::min(want, (longest + kMinPartTokens - 1) / kMinPartTokens));
-}
-
-// The most positions any query of the batch attends to (its window's, where there is one).
-inline int64_t longest_attended(const int64_t* lens, int64_t B, int64_t window) {
-  int64_t longest = 0;
-  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, lens[b] - window_begin(lens[b], window));
-  return longest;
-}
-
 // Part `part` of P of a context attending to positions [first, len): an equal share of the
 // blocks holding them, as the positions [begin, end) (empty where the blocks ran out first).
 // E.g. BS 16, first 20, len 100, P 2: blocks 1..6 hold them, 3 a part: [20, 64) and [64, 100).
@@ -453,8 +441,7 @@ struct PartSpan {
 };
 
 inline PartSpan part_span(int64_t first, int64_t len, int64_t BS, int64_t P, int64_t part) {
-  const int64_t blk0 = first / BS, nblk = len > first ? (len - 1) / BS - blk0 + 1 : 0;
-  const int64_t per = (nblk + P - 1) / P, pb0 = blk0 + part * per, pb1 = std::min(blk0 + nblk, pb0 + per);
+  const auto [pb0, pb1] = part_blocks(first, len, BS, P, part);
   if (pb0 >= pb1) return {0, 0};
   return {std::max(first, pb0 * BS), std::min(len, pb1 * BS)};
 }
