@@ -800,20 +800,22 @@ void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t*
                  const NextPart& next) {
   constexpr int64_t D = NV * 16;
   const int64_t first = span.begin / BS, last = (span.end - 1) / BS;  // the part's blocks
-  const auto rows_of = [&](int64_t b) { return std::min(BS, span.end - b * BS); };
-  for (int64_t b = first; b < std::min(first + kAheadBlocks, last + 1); ++b)
-    ks.prefetch(table[b], kh, rows_of(b));  // the first blocks' keys, at once
+  // the keys of block b of what this thread reads: this part's blocks, then past `last` the next
+  // task's (block b - last - 1 of its part), and its rows (0: none there)
+  const auto stream = [&](int64_t b) -> std::pair<Lines, int64_t> {
+    if (b <= last) return {ks.lines(table[b], kh), std::min(BS, span.end - b * BS)};
+    const int64_t nb = next.span.begin / BS + (b - last - 1);
+    if (next.table != nullptr && nb <= (next.span.end - 1) / BS)
+      return {ks.lines(next.table[nb], next.kh), std::min(BS, next.span.end - nb * BS)};
+    return {ks.lines(table[last], kh), 0};
+  };
+  for (int64_t b = first; b < first + kAheadBlocks; ++b) {  // the first blocks' keys, at once
+    const auto [lines, rows] = stream(b);
+    lines.prefetch(rows);
+  }
   for (int64_t t0 = first * BS; t0 < span.end; t0 += BS) {
-    const int64_t n = std::min(BS, span.end - t0), ab = t0 / BS + kAheadBlocks;
-    Lines ahead_k = ks.lines(table[std::min(ab, last)], kh);
-    int64_t ahead_n = ab <= last ? rows_of(ab) : 0;
-    if (ab > last && next.table != nullptr) {  // block ab - last - 1 of the next task's part
-      const int64_t nb = next.span.begin / BS + (ab - last - 1);
-      if (nb <= (next.span.end - 1) / BS) {
-        ahead_k = ks.lines(next.table[nb], next.kh);
-        ahead_n = std::min(BS, next.span.end - nb * BS);
-      }
-    }
+    const int64_t n = std::min(BS, span.end - t0);
+    const auto [ahead_k, ahead_n] = stream(t0 / BS + kAheadBlocks);
     const Ahead ahead{ahead_k, vs.lines(table[t0 / BS], kh), ahead_n, n};
     const KeyRows k = key_block<NV>(ks, table[t0 / BS], kh, n, buf, row_scale, ahead);
     for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
