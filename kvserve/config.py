@@ -535,6 +535,11 @@ class CacheConfig:
     eviction_policy: str = option(
         "lru", "which cached block goes first when the cache is full (after retention priority): lru, fifo, "
                "priority (the least important users' blocks) or cost (prefix depth and hits)", choices=EVICTION_POLICIES)
+    populate: bool = option(
+        False, "write every page of the cache on CPU while the engine starts, as vLLM and llama.cpp do, "
+               "instead of when its blocks are first written: a longer start and all of the cache resident "
+               "at once, but no step waits for fresh memory (docs/cache.md)",
+        name="kv_cache_populate", flags=("--kv-cache-populate",))
     swap_space_bytes: int = option(1 << 30, "bytes of CPU swap for preemption", name="swap_space",
                                    flag_type=float, from_flag=whole_bytes)
     sliding_window: Optional[int] = option(  # a bounded cache

@@ -105,6 +105,11 @@ def allocate_cache(config: EngineConfig, model: ModelConfig, plan: CachePlan, la
                                        model.mla.qk_rope_head_dim, where)
         return make_storage(*args, num_blocks, *shape, where, plan.num_residual_slots)
     cache = make(plan.num_blocks + 1, device)
+    if config.cache.populate:
+        t = time.perf_counter()
+        cache.populate()
+        logger.info("KV cache populated: %.0f MiB written in %.2f s", cache.nbytes / 2**20,
+                    time.perf_counter() - t)
     swap = None
     if host_pool_blocks(config, plan) > 0:
         swap = make(host_pool_blocks(config, plan), "cpu")
@@ -324,7 +329,8 @@ class LLMEngine:
                 block_size=c.cache.block_size, num_blocks=self.plan.num_blocks, max_num_seqs=c.scheduler.max_num_seqs,
                 max_num_batched_tokens=c.scheduler.max_num_batched_tokens, seed=c.seed,
                 attention_backend=c.attention_backend, linear_backend=c.linear_backend,
-                sliding_window=c.cache.sliding_window, attention_sinks=c.cache.attention_sinks)
+                sliding_window=c.cache.sliding_window, attention_sinks=c.cache.attention_sinks,
+                kv_cache_populate=c.cache.populate)
             check_same_vocabulary(self, draft)
             draft.outputs.tokenizer = None  # its copies' tokens are never read as text
             return DraftProposer(draft, self.runner.sampler.key)

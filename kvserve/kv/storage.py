@@ -57,6 +57,11 @@ class KVStorage(ABC):
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block
 
+    def populate(self) -> None:
+        """Write every page of the storage's CPU memory now, with the zeros it holds, so that no
+        step waits for the OS to hand a page over on its first write (`--kv-cache-populate`).
+        A storage on another device was written when it was made: nothing to do."""
+
     def begin_step(self) -> None:
         """A new step starts: its writes will be planned next."""
 
@@ -185,6 +190,12 @@ class BlockTensorStorage(KVStorage):
     @property
     def bytes_per_block(self) -> int:
         return sum(t[0].numel() * t.element_size() for tensors in self.tensors for t in tensors.values())
+
+    def populate(self) -> None:
+        if self.device.type == "cpu":
+            for tensors in self.tensors:
+                for t in tensors.values():
+                    t.zero_()  # zeros over zeros: the values stay, the pages arrive
 
     def layer_tensors(self, layer: int) -> dict[str, torch.Tensor]:
         tensor = self.layer_to_tensor[layer]
@@ -395,6 +406,13 @@ class Int4KVStorage(BlockTensorStorage):
     @property
     def nbytes(self) -> int:
         return self.num_blocks * self.bytes_per_block + self.residual_nbytes
+
+    def populate(self) -> None:
+        super().populate()
+        if self.device.type == "cpu":
+            for r in self.residual:
+                for t in r.values():
+                    t.zero_()
 
     # ---- writes ----
     def begin_step(self) -> None:
