@@ -617,10 +617,11 @@ struct KeyRows {
 // once (bf16, Xeon with AMX; int8 0.64 against 0.68). Two blocks ahead rather than one: 0.66 ms
 // against 0.69 (bf16, Zen 4, the T1 hint; int8 0.55 against 0.59); three gave 0.67 (int8 0.53).
 // Past a part's last block the blocks ahead are the next task's (NextPart): a task no longer
-// starts by waiting for its first keys. 64 contexts of 64..384 tokens (bf16, Zen 4, huge pages,
-// 8 layers' caches in turn): 0.55-0.58 ms a layer against 0.59-0.61 (builds with the same
-// flags, interleaved); int8 0.50-0.54 against 0.53-0.56; the AVX2 path (next block only)
-// 1.19-1.27 against 1.25-1.33.
+// starts by waiting for its first keys. Builds with the same flags, interleaved (Zen 4, huge
+// pages, 8 layers' caches in turn): 64 contexts of 64..384 tokens, bf16, 2-8% less time in six
+// runs (e.g. 0.557 ms a layer against 0.591); 256 contexts of 4..40 tokens 13% less (0.311
+// against 0.359); int8 the same within the noise; the AVX2 path (the next block only) 5% less
+// (1.19-1.27 against 1.25-1.33).
 constexpr int64_t kAheadBlocks = 2;
 
 struct Ahead {
