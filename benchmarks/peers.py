@@ -65,9 +65,10 @@ def throughput_contenders() -> dict[str, list[str]]:
     (perplexity +0.13% against bf16: docs/cache.md); and the defaults with the cache's pages
     written while the engine starts (--kv-cache-populate), as vLLM-CPU writes its own before its
     timed run: the default pool gets each page on first write, during the run (docs/cache.md).
-    The contenders run one after another in one process, so a lazy engine may get pages the one
-    before freed moments earlier, which cost less to write again than fresh ones: the populated
-    row's lead over the defaults depends on the order, and is smaller than in fresh processes."""
+    The contenders run one after another, moments apart, so a lazy engine may get pages freed just
+    before (by the contender before it, or by vLLM's process), which cost less to write again than
+    fresh ones: the populated row's lead over the defaults depends on the order, and is smaller
+    than in fresh processes after a pause."""
     return {**contenders(), "kvserve int8 cache": ["--kv-cache-dtype", "int8"],
             "kvserve populated": ["--kv-cache-populate"]}
 
