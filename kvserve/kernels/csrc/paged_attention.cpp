@@ -475,6 +475,23 @@ inline NextPart next_part(int64_t idx, int64_t end, const int64_t* tables, const
   return next;
 }
 
+// Block b of what a thread reads, counted in the blocks of this task's part (span, K/V head kh):
+// past the part's last block, the next task's (block b - last - 1 of its part). Its id, its K/V
+// head and its rows (0: there is none).
+struct StreamBlock {
+  int64_t blk, kh, rows;
+};
+
+inline StreamBlock stream_block(const int64_t* table, PartSpan span, int64_t kh, const NextPart& next,
+                                int64_t BS, int64_t b) {
+  const int64_t last = (span.end - 1) / BS;
+  if (b <= last) return {table[b], kh, std::min(BS, span.end - b * BS)};
+  const int64_t nb = next.span.begin / BS + (b - last - 1);
+  if (next.table != nullptr && nb <= (next.span.end - 1) / BS)
+    return {next.table[nb], next.kh, std::min(BS, next.span.end - nb * BS)};
+  return {table[last], kh, 0};
+}
+
 // Each (sequence, part)'s softmax over its positions, per query head: the largest score m, the
 // sum l of e^(s - m) and the unnormalized output acc = sum of e^(s - m) v [D]. A part with no
 // positions keeps l = 0 and is skipped by the merge.
@@ -539,13 +556,11 @@ void decode_portable(const scalar_t* q, const KSrc& ks, const VSrc& vs, const in
       for (int64_t t0 = span.begin / BS * BS; t0 < span.end; t0 += BS) {
         const int64_t i0 = std::max<int64_t>(0, span.begin - t0), n = std::min(BS, span.end - t0);
         // the next block's rows, or at the last block the next task's first ones
-        const int64_t* ahead_table = t0 + BS < span.end ? table : next.table;
-        const int64_t ahead_t0 = t0 + BS < span.end ? t0 + BS : next.span.begin / BS * BS;
-        const int64_t ahead_end = t0 + BS < span.end ? span.end : next.span.end;
-        if (ahead_table != nullptr)
+        const StreamBlock ahead = stream_block(table, span, 0, next, BS, t0 / BS + 1);
+        if (ahead.rows > 0)
           for (int64_t kh = 0; kh < KVH; ++kh) {
-            ks.prefetch(ahead_table[ahead_t0 / BS], kh, std::min(BS, ahead_end - ahead_t0));
-            vs.prefetch(ahead_table[ahead_t0 / BS], kh, std::min(BS, ahead_end - ahead_t0));
+            ks.prefetch(ahead.blk, kh, ahead.rows);
+            vs.prefetch(ahead.blk, kh, ahead.rows);
           }
         for (int64_t kh = 0; kh < KVH; ++kh) {
           const Rows kr = ks.rows(table[t0 / BS], kh, n, kbuf.data());
@@ -800,24 +815,15 @@ void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t*
                  int64_t kh, int64_t G, int64_t Lp, float* buf, float* row_scale, float* s,
                  const NextPart& next) {
   constexpr int64_t D = NV * 16;
-  const int64_t first = span.begin / BS, last = (span.end - 1) / BS;  // the part's blocks
-  // the keys of block b of what this thread reads: this part's blocks, then past `last` the next
-  // task's (block b - last - 1 of its part), and its rows (0: none there)
-  const auto stream = [&](int64_t b) -> std::pair<Lines, int64_t> {
-    if (b <= last) return {ks.lines(table[b], kh), std::min(BS, span.end - b * BS)};
-    const int64_t nb = next.span.begin / BS + (b - last - 1);
-    if (next.table != nullptr && nb <= (next.span.end - 1) / BS)
-      return {ks.lines(next.table[nb], next.kh), std::min(BS, next.span.end - nb * BS)};
-    return {ks.lines(table[last], kh), 0};
-  };
+  const int64_t first = span.begin / BS;  // the part's first block
   for (int64_t b = first; b < first + kAheadBlocks; ++b) {  // the first blocks' keys, at once
-    const auto [lines, rows] = stream(b);
-    lines.prefetch(rows);
+    const StreamBlock a = stream_block(table, span, kh, next, BS, b);
+    ks.prefetch(a.blk, a.kh, a.rows);
   }
   for (int64_t t0 = first * BS; t0 < span.end; t0 += BS) {
     const int64_t n = std::min(BS, span.end - t0);
-    const auto [ahead_k, ahead_n] = stream(t0 / BS + kAheadBlocks);
-    const Ahead ahead{ahead_k, vs.lines(table[t0 / BS], kh), ahead_n, n};
+    const StreamBlock a = stream_block(table, span, kh, next, BS, t0 / BS + kAheadBlocks);
+    const Ahead ahead{ks.lines(a.blk, a.kh), vs.lines(table[t0 / BS], kh), a.rows, n};
     const KeyRows k = key_block<NV>(ks, table[t0 / BS], kh, n, buf, row_scale, ahead);
     for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
       const int64_t m = std::min<int64_t>(16, n - i0);
