@@ -9,8 +9,11 @@ the defaults' policy, AMX tiles above 24 rows), on 2 and 1 threads, B = 1, 16, 6
 engine's default KV cache or another format (`--kv-cache-dtype`).
 For each: the plain step time (median over the steps, nothing timed inside) and, over the same
 number of further steps, each part's own time, timed by wrapping the engine's methods and every
-function of the compiled kernels (in this script only; `--clock cpu` times this thread's CPU time, which a
-loaded machine's waits do not inflate: use it with one thread). Parts are means over the
+function of the compiled kernels (in this script only; `--clock cpu` times this thread's CPU
+time, which a loaded machine's waits do not inflate: use it with one thread). The timed steps
+call each kernel on its own: a decoder layer run as one compiled call would call them unseen, so
+the parts are those of the fast path without it (`use_fast_path(fused=False)`), whose step the
+"instrumented" figure is, and the plain step the engine's own. Parts are means over the
 steps left after dropping the slowest tenth (the 2 cores are shared), so they add up to the step;
 the timers' own cost (measured: calls a step times the cost of one timed call) is shown as
 "timers" and taken out of the forward's Python. "non-kernel" is the instrumented step less the
@@ -127,9 +130,19 @@ def kernel_part(name: str) -> str:
     return next((part for part, names in KERNEL_PARTS.items() if name in names), "other kernels")
 
 
+def bind_unfused(engine: Any) -> None:
+    """Bind the fast path with each kernel called on its own (no decoder layer as one compiled
+    call, which would call them unseen by the timers); revisions before that option had none."""
+    import inspect
+    if "fused" in inspect.signature(engine.runner.use_fast_path).parameters:
+        engine.runner.use_fast_path(True, fused=False)
+    else:
+        engine.runner.use_fast_path(True)
+
+
 def instrument(timers: Timers, engine: Any) -> None:
     """Wrap the engine's methods and every kernel function, then bind the fast path again so
-    its closures take the wrapped kernels."""
+    its closures take the wrapped kernels, each kernel called on its own (bind_unfused)."""
     import importlib
     from kvserve.bench.breakdown import kernel_functions
     for part, entries in METHODS.items():
@@ -143,7 +156,7 @@ def instrument(timers: Timers, engine: Any) -> None:
     for m in engine.runner.model.modules():  # a packed linear's AMX tiles product, held by the module
         if callable(getattr(m, "tiles", None)):
             timers.wrap(m, "tiles", "products")
-    engine.runner.use_fast_path(True)
+    bind_unfused(engine)
 
 
 def make_engine(loaded: Any, acts: str, batch: int, max_tokens: int, prompt_len: int,

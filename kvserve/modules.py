@@ -46,6 +46,9 @@ class FastPathEnv:
     dtype: torch.dtype
     layer_ops: Optional[Any] = None
     storage: Optional[Any] = None
+    # whether a block may run its children's kernels as one compiled call (layer_ops' DecodeLayer)
+    # instead of calling them one by one; a tool that times the kernels one by one binds without
+    fused: bool = True
 
     @property
     def cpu_ops(self) -> Optional[Any]:
@@ -75,6 +78,18 @@ def kernel_call(module: Any, env: "FastPathEnv") -> KernelCall:
     own = getattr(module, "kernel_call", None) if env.dtype == torch.float32 and own_call else None
     call = own(env) if own is not None else None
     return call if call is not None else KernelCall(module.forward, (), math.inf, module)
+
+
+def rows_op(module: Any, env: "FastPathEnv") -> Optional[Any]:
+    """The module's KernelCall for env as one compiled operation that another kernel calls without
+    Python (a kvserve.RowsOp capsule: kernels/csrc/kernel_ops.h; the same kernel on the same
+    operands), or None: the module has no kernel call for env, or no such operation (a method
+    `rows_op(env)` defined in the class that defines its kernel_call)."""
+    definer = _definer(type(module), "kernel_call")
+    if definer is None or _definer(type(module), "rows_op") is not definer:
+        return None
+    call = kernel_call(module, env)
+    return module.rows_op(env) if call.module is module and call.fn != module.forward else None
 
 
 class FastPath:

@@ -59,6 +59,18 @@ class AttentionMetadata:
     plain_decode: bool = False
 
 
+@dataclass(frozen=True)
+class LayerDecode:
+    """A layer's plain decode (every row a decode: no chunk, no sinks) as compiled operations a
+    decoder layer run as one call takes (layer_ops' DecodeLayer): `op`, a kvserve.DecodeOp capsule
+    (kernels/csrc/kernel_ops.h) that attends over the layer's cache, and the layer_ops function
+    `store` that writes the step's K/V into the `cache` tensors it takes before (slots, k, v)."""
+
+    op: Any
+    store: str
+    cache: tuple[torch.Tensor, ...]
+
+
 class AttentionBackend(ABC):
     """How attention reads and writes the cache. Contract: `forward` returns, for every row, the
     attention of its query over its sequence's context up to and including its own position,
@@ -90,6 +102,12 @@ class AttentionBackend(ABC):
         """The attention layer's forward (q, k, v, ctx) -> out with what does not change between
         steps (this layer's kernel and operands) settled once; it must return what `forward`
         returns, bit for bit. None: the layer calls `forward` (the default)."""
+        return None
+
+    def layer_decode(self, layer: int, scale: float, softcap: Optional[float],
+                     storage: Optional[KVStorage]) -> Optional[LayerDecode]:
+        """What fast_forward does for a step of plain decodes (AttentionMetadata.plain_decode),
+        the same kernels on the same arguments, as compiled operations; None (the default): none."""
         return None
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from kvserve import kernels
-from kvserve.attention.backend import AttentionMetadata
+from kvserve.attention.backend import AttentionMetadata, LayerDecode
 from kvserve.attention.torch_backend import TorchAttentionBackend, TorchAttentionMetadata
 from kvserve.kv.storage import ChunkView, KVStorage
 
@@ -120,6 +120,16 @@ class CpuKernelAttentionBackend(TorchAttentionBackend):
         meta.plain_decode = (storage is not None and meta.slot_mapping is not None and not meta.prefills
                              and meta.num_decode_tokens > 0 and not meta.sinks and meta.sink_rotation is None)
         return meta
+
+    def layer_decode(self, layer: int, scale: float, softcap: Optional[float],
+                     storage: Optional[KVStorage]) -> Optional[LayerDecode]:
+        """fixed_forward's write and kernel below (a storage whose tensors stay put, dense or int8)."""
+        if storage is None or softcap is not None or storage.kind not in ("dense", "int8"):
+            return None
+        fixed, store = storage.fixed_decode(layer), storage.fixed_store(layer)
+        if fixed is None or store is None or not hasattr(self.module, "decode_op"):
+            return None
+        return LayerDecode(self.module.decode_op(storage.kind, list(fixed[1]), scale), *store)
 
     def fast_forward(self, layer: int, group: int, scale: float, softcap: Optional[float],
                      storage: Optional[KVStorage]) -> Optional[Callable[..., torch.Tensor]]:

@@ -10,9 +10,9 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from kvserve.attention.backend import AttentionBackend, AttentionMetadata
+from kvserve.attention.backend import AttentionBackend, AttentionMetadata, LayerDecode
 from kvserve.kv.storage import KVStorage
-from kvserve.modules import DirectCall, FastPath, FastPathEnv, unbind_fast_path
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, runs_fast_form_of, unbind_fast_path
 
 
 @dataclass
@@ -42,6 +42,13 @@ class Attention(DirectCall, FastPath, nn.Module):
             return {}
         fast = self.backend.fast_forward(self.layer_idx, self.group, self.scale, self.softcap, env.storage)
         return {} if fast is None else {"forward": fast}
+
+    def layer_decode(self, env: FastPathEnv) -> Optional[LayerDecode]:
+        """The backend's plain decode of this layer as compiled operations (AttentionBackend.
+        layer_decode), where the layer runs this class's fast form: its backend's fast_forward."""
+        if self.backend is None or not runs_fast_form_of(self, Attention, ("forward",)):
+            return None
+        return self.backend.layer_decode(self.layer_idx, self.scale, self.softcap, env.storage)
 
 
 def install(model: nn.Module, backend: AttentionBackend, layer_group: Sequence[int]) -> None:

@@ -10,8 +10,11 @@ Given the engine, the methods its model's fast path bound in its modules' place 
 are timed too, in the part of the method they stand for, and so are the compiled kernels: the
 fast path calls some of them from its blocks directly (a product's kernel from the attention
 block), so the kernels' functions are wrapped and the fast path bound again to take the wrapped
-ones (and again on exit, to take the originals). The wrapped kernels are the process's: another
-engine bound while the breakdown is open keeps them until it is bound again.
+ones (and again on exit, to take the originals). It is bound without decoder layers run as one
+compiled call (`ModelRunner.use_fast_path(fused=False)`), whose kernels call each other unseen:
+the steps timed call the blocks one by one, a little slower than the engine's own. The wrapped
+kernels are the process's: another engine bound while the breakdown is open keeps them until it
+is bound again.
 
 A timed call nested in another counts for itself only (the head's product inside sampling is
 matmul, not sampling). The timers cost about a microsecond a call, a few hundred calls a step.
@@ -83,6 +86,7 @@ class StepBreakdown:
         self.calls: dict[str, int] = defaultdict(int)  # timed calls by part (a bound product and its kernel: 2)
         self._children: list[float] = []
         self._restore: list[tuple[Any, str, Any]] = []
+        self._fused = True  # whether the engine ran decoder layers as one call before (restored on exit)
 
     def __enter__(self) -> "StepBreakdown":
         try:
@@ -100,8 +104,9 @@ class StepBreakdown:
                 self._wrap(cls, attr, name)
         self._wrap(LLMEngine, "step", self.STEP)
         if self.engine is not None and self.engine.runner.fast_path:
+            self._fused = self.engine.runner.fused_layers
             self._wrap_kernels()
-            self.engine.runner.use_fast_path(True)  # the blocks take the wrapped kernels
+            self.engine.runner.use_fast_path(True, fused=False)  # the blocks take the wrapped kernels
         for module in self.model.modules() if self.model is not None else ():
             for attr in getattr(module, "fast_bound", ()):
                 name = next((n for n, methods in parts.items()
@@ -115,7 +120,7 @@ class StepBreakdown:
                 object.__setattr__(owner, attr, original)
         self._restore.clear()
         if self.engine is not None and self.engine.runner.fast_path:
-            self.engine.runner.use_fast_path(True)  # the original kernels again
+            self.engine.runner.use_fast_path(True, fused=self._fused)  # the original kernels again
 
     def _wrap_kernels(self) -> None:
         part_of = {fn: part for part, fns in KERNEL_PARTS.items() for fn in fns}

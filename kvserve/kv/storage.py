@@ -95,6 +95,12 @@ class KVStorage(ABC):
         decode_operands at each call (a storage whose tensors grow, or without the kernel)."""
         return None
 
+    def fixed_store(self, layer: int) -> Optional[tuple[str, tuple[torch.Tensor, ...]]]:
+        """For a layer whose tensors stay where they are and which one layer_ops function writes:
+        that function's name and the tensors it takes before (slots, k, v), the call fixed_decode's
+        write makes, for a kernel that calls it itself. None (the default): no such function."""
+        return None
+
     @abstractmethod
     def copy_blocks(self, pairs: BlockPairs) -> None:
         """dst block := src block (copy-on-write)."""
@@ -186,6 +192,12 @@ class BlockTensorStorage(KVStorage):
         if self.ops is None or self.layer_to_tensor[layer] is None:
             return None
         return self.kernel_write(layer), self.decode_operands(layer)  # type: ignore[return-value]
+
+    def fixed_store(self, layer: int) -> Optional[tuple[str, tuple[torch.Tensor, ...]]]:
+        if self.ops is None or self.layer_to_tensor[layer] is None or self.store_kernel is None:
+            return None
+        t = self.layer_tensors(layer)
+        return self.store_kernel, tuple(t[name] for name in self.store_parts)
 
     @property
     def bytes_per_block(self) -> int:

@@ -10,21 +10,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.attention.backend import rotate_halves
+from kvserve.attention.backend import LayerDecode, rotate_halves
 from kvserve.attention.layer import Attention, ForwardContext
 from kvserve.config import ModelConfig
 from kvserve.models.linear import Linear
-from kvserve.modules import DirectCall, FastPath, FastPathEnv, kernel_call, runs_fast_form_of
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, kernel_call, rows_op, runs_fast_form_of
 
 Methods = dict[str, Callable[..., Any]]
 Kernel = Callable[..., torch.Tensor]
+LayerForward = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # a decoder layer's (output, residual)
 
 
 class RMSNorm(DirectCall, FastPath, nn.Module):
@@ -153,6 +154,26 @@ class RotaryEmbedding:
         return self._last[1], self._last[2]
 
 
+class AttentionParts(NamedTuple):
+    """An attention block's plain decode as compiled operations (LlamaAttention.decode_parts)."""
+
+    qkv: Any  # the fused q|k|v product, a kvserve.RowsOp capsule (kernels/csrc/kernel_ops.h)
+    o: Any  # o_proj's
+    heads: int
+    kv_heads: int
+    decode: LayerDecode  # the cache write and the decode attention
+    group: int  # the attention's cache group
+    rows: float  # the most rows the products' kernels take
+
+
+class MlpParts(NamedTuple):
+    """An MLP block's products as compiled operations (LlamaMLP.decode_parts): silu(gate) * up."""
+
+    gate_up: Any  # the fused gate|up product, a kvserve.RowsOp capsule
+    down: Any
+    rows: float
+
+
 class LlamaAttention(DirectCall, FastPath, nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -216,6 +237,19 @@ class LlamaAttention(DirectCall, FastPath, nn.Module):
             return y  # type: ignore[no-any-return]
         return {"forward": forward}
 
+    def decode_parts(self, env: FastPathEnv) -> Optional["AttentionParts"]:
+        """What its fast form calls for a step of plain decodes, as compiled operations, for a
+        decoder layer run as one call (LlamaDecoderLayer.decode_layer). None where this block
+        does not run this class's fast form or a part has no such operation."""
+        if self.fused_qkv is None or not runs_fast_form_of(self, LlamaAttention, ("forward",)):
+            return None
+        qkv, o = rows_op(self.fused_qkv.fused, env), rows_op(self.o_proj, env)
+        attention = self.attn.layer_decode(env)
+        if qkv is None or o is None or attention is None:
+            return None
+        rows = min(kernel_call(self.fused_qkv.fused, env).rows, kernel_call(self.o_proj, env).rows)
+        return AttentionParts(qkv, o, self.num_heads, self.num_kv_heads, attention, self.attn.group, rows)
+
 
 class LlamaMLP(DirectCall, FastPath, nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -254,6 +288,17 @@ class LlamaMLP(DirectCall, FastPath, nn.Module):
             return y  # type: ignore[no-any-return]
         return {"forward": forward}
 
+    def decode_parts(self, env: FastPathEnv) -> Optional["MlpParts"]:
+        """Its fast form's products as compiled operations, for a decoder layer run as one call;
+        None as LlamaAttention's."""
+        if self.fused_gate_up is None or not runs_fast_form_of(self, LlamaMLP, ("forward",)):
+            return None
+        gate_up, down = rows_op(self.fused_gate_up.fused, env), rows_op(self.down_proj, env)
+        if gate_up is None or down is None:
+            return None
+        rows = min(kernel_call(self.fused_gate_up.fused, env).rows, kernel_call(self.down_proj, env).rows)
+        return MlpParts(gate_up, down, rows)
+
 
 class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
     """Pre-norm attention and MLP. A family with other attention (q/k norms, no RoPE on some
@@ -291,7 +336,8 @@ class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
 
     def fast_methods(self, env: FastPathEnv) -> Methods:
         """The norms' kernels called here, where both norms run RMSNorm's fast form (the blocks
-        between them are called as they are bound): two calls a layer fewer."""
+        between them are called as they are bound): two calls a layer fewer; and a step of plain
+        decodes as one compiled call where the blocks allow it (decode_layer)."""
         replaced = ("forward", "add_forward")
         first, second = (n.norm_ops(env) if runs_fast_form_of(n, RMSNorm, replaced) else None
                          for n in (self.input_layernorm, self.post_attention_layernorm))
@@ -307,7 +353,43 @@ class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
                 h = add_first(x, residual, w_first, eps_first)  # adds into residual
             h = add_second(self.self_attn.forward(h, positions, rope, ctx), residual, w_second, eps_second)
             return self.mlp.forward(h), residual
-        return {"forward": forward}
+        fused = self.decode_layer(env, (w_first, eps_first), (w_second, eps_second), forward)
+        return {"forward": forward if fused is None else fused}
+
+    def decode_layer(self, env: FastPathEnv, first: tuple[torch.Tensor, float],
+                     second: tuple[torch.Tensor, float], forward: LayerForward) -> Optional[LayerForward]:
+        """`forward` (the fast form above, norms' weights and eps `first` and `second`) with a step
+        of plain decodes as one compiled call (layer_ops' DecodeLayer: the kernels `forward` calls,
+        in its order, on the same arguments, so the same outputs bit for bit), where env allows it
+        (FastPathEnv.fused), this class's forward is the layer's, and each block has its parts as
+        compiled operations; any other step through `forward`. None: the blocks one by one."""
+        ops = env.cpu_ops
+        if (not env.fused or ops is None or not hasattr(ops, "DecodeLayer")
+                or type(self).forward is not LlamaDecoderLayer.forward):
+            return None
+        attention = getattr(self.self_attn, "decode_parts", None)
+        mlp = getattr(self.mlp, "decode_parts", None)
+        a = attention(env) if attention is not None else None
+        m = mlp(env) if mlp is not None else None
+        if a is None or m is None:
+            return None
+        layer = ops.DecodeLayer(first[0], first[1], second[0], second[1], a.qkv, a.o, m.gate_up, m.down,
+                                a.decode.op, a.heads, a.kv_heads, a.decode.store, list(a.decode.cache))
+        one_call = layer.forward
+        group, most = a.group, min(a.rows, m.rows)
+
+        def fused_forward(x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
+                          ctx: ForwardContext, residual: Optional[torch.Tensor] = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+            meta = ctx.metadata[group]
+            if not meta.plain_decode or x.shape[0] > most:
+                return forward(x, positions, rope, ctx, residual)
+            cos, sin = rope.angles(positions)
+            out: tuple[torch.Tensor, torch.Tensor] = one_call(
+                x, residual, cos, sin, meta.kv_write_plan, meta.decode_block_tables, meta.decode_context_lens,
+                meta.sliding_window or 0)
+            return out
+        return fused_forward
 
 
 def make_embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:

@@ -222,6 +222,11 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
         return KernelCall(self.kernel.linear_quant, operands, self.fmt.kernel_rows, self)
 
+    def rows_op(self, env: FastPathEnv) -> Any:
+        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
+        return self.kernel.rows_op("linear_quant", self.qweight, self.fmt.ggml_type, self.in_features,
+                                   self.out_features, self.bias)
+
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """Decode's few fp32 rows straight to the kernel; the rest eager."""
         return rows_forward(self, self.kernel_call(env))
@@ -275,6 +280,11 @@ class PackedLinearQ8(PackedLinear):
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.out_features, self.bias)
         return KernelCall(self.q8.linear_q8, operands, math.inf, self)
 
+    def rows_op(self, env: FastPathEnv) -> Any:
+        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
+        return self.q8.rows_op("linear_q8", self.qweight, self.fmt.ggml_type, self.in_features,
+                               self.out_features, self.bias)
+
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""
         return rows_forward(self, self.kernel_call(env))
@@ -318,6 +328,11 @@ class PackedLinearQ8Rows(PackedLinear):
         """linear_kquant's linear_q8 takes fp32 rows of any count."""
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
         return KernelCall(self.kernel.linear_q8, operands, math.inf, self)
+
+    def rows_op(self, env: FastPathEnv) -> Any:
+        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
+        return self.kernel.rows_op("linear_q8", self.qweight, self.fmt.ggml_type, self.in_features,
+                                   self.out_features, self.bias)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -36,7 +36,7 @@ from kvserve import kernels
 from kvserve.config import BF16_CPU_FLAGS, DTYPE_BYTES
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows, PackedWeight
-from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall, rows_op
 
 QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}  # --weight-dtype: the format float matrices are packed to
 PATHS = ("int8", "float", "dense")
@@ -220,6 +220,10 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         """The held module's kernel call, up to the threshold."""
         call = self.packed.kernel_call(env)
         return None if call is None else call._replace(rows=min(call.rows, self.threshold), module=self)
+
+    def rows_op(self, env: FastPathEnv) -> Any:
+        """The held module's compiled operation (kvserve.modules.rows_op), for kernel_call's rows."""
+        return rows_op(self.packed, env)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """The held module's kernel call up to the threshold (called here: one frame fewer than

@@ -35,6 +35,7 @@
 // names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "kernel_ops.h"
 #include "vec_math.h"
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -500,6 +501,68 @@ at::Tensor argmax_rows(at::Tensor x) {
 }
 #endif
 
+// A pre-norm decoder layer's decode step in one call: what the fast path's blocks call one by one
+// (kvserve.models.llama: LlamaDecoderLayer, LlamaAttention and LlamaMLP), in the same order on
+// the same arguments, so its outputs equal theirs bit for bit:
+//   h = rms_norm(x) (the first layer, whose residual is x) or add_rms_norm(x, residual)
+//   q, k, v = rope_qkv(qkv(h));  the cache's slots := k, v;  a = decode(q)
+//   h = add_rms_norm(o(a), residual);  out = down(silu_mul_halves(gate_up(h)))
+// The products and the attention are other kernels' (kernel_ops.h capsules, held here).
+class DecodeLayer {
+ public:
+  DecodeLayer(at::Tensor w1, double eps1, at::Tensor w2, double eps2, pybind11::object qkv,
+              pybind11::object o, pybind11::object gate_up, pybind11::object down, pybind11::object decode,
+              int64_t heads, int64_t kv_heads, const std::string& store, std::vector<at::Tensor> cache)
+      : w1_(std::move(w1)), w2_(std::move(w2)), eps1_(eps1), eps2_(eps2), heads_(heads), kv_heads_(kv_heads),
+        int8_(store == "store_kv_int8"), cache_(std::move(cache)),
+        held_{qkv, o, gate_up, down, decode},
+        qkv_(kvserve::from_capsule<kvserve::RowsOp>(qkv)), o_(kvserve::from_capsule<kvserve::RowsOp>(o)),
+        gate_up_(kvserve::from_capsule<kvserve::RowsOp>(gate_up)),
+        down_(kvserve::from_capsule<kvserve::RowsOp>(down)),
+        decode_(kvserve::from_capsule<kvserve::DecodeOp>(decode)) {
+    TORCH_CHECK(store == "store_kv" || store == "store_kv_int8", "the cache is written by store_kv or "
+                "store_kv_int8, not ", store);
+    TORCH_CHECK(cache_.size() == (int8_ ? 4u : 2u), store, " writes ", int8_ ? 4 : 2, " cache tensors, not ",
+                cache_.size());
+    TORCH_CHECK(!int8_ || cache_[0].scalar_type() == at::kChar, "store_kv_int8 writes an int8 cache, not ",
+                cache_[0].scalar_type());
+    TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0, "heads (", heads_,
+                ") must be a positive multiple of kv_heads (", kv_heads_, ")");
+  }
+
+  // x [T, hidden]: the previous layer's output (the embeddings for the first layer, residual
+  // None); residual is updated in place. slots [T]: the cache slots of the rows' K/V; tables,
+  // lens: each row's block table and context length. Returns this layer's output and the stream.
+  std::pair<at::Tensor, at::Tensor> forward(at::Tensor x, c10::optional<at::Tensor> residual,
+                                            at::Tensor cos, at::Tensor sin, at::Tensor slots,
+                                            at::Tensor tables, at::Tensor lens, int64_t window) const {
+    at::Tensor r, h;
+    if (residual.has_value() && residual->defined()) {
+      r = *residual;
+      h = add_rms_norm(x, r, w1_, eps1_);
+    } else {
+      r = x;
+      h = rms_norm(x, w1_, eps1_);
+    }
+    const auto qkv = rope_qkv((*qkv_)(h), cos, sin, heads_, kv_heads_);
+    if (int8_) store_kv_int8(cache_[0], cache_[1], cache_[2], cache_[3], slots, qkv[1], qkv[2]);
+    else store_kv(cache_[0], cache_[1], slots, qkv[1], qkv[2]);
+    const at::Tensor attended = (*decode_)(qkv[0], tables, lens, window);
+    h = add_rms_norm((*o_)(attended.flatten(1)), r, w2_, eps2_);
+    return {(*down_)(silu_mul_halves((*gate_up_)(h))), r};
+  }
+
+ private:
+  at::Tensor w1_, w2_;
+  double eps1_, eps2_;
+  int64_t heads_, kv_heads_;
+  bool int8_;
+  std::vector<at::Tensor> cache_;
+  std::vector<pybind11::object> held_;  // the capsules that own the operations below
+  const kvserve::RowsOp *qkv_, *o_, *gate_up_, *down_;
+  const kvserve::DecodeOp* decode_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -524,4 +587,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv, "k, v rows into their cache slots, fp32 rounded into a bf16 cache (CPU)");
   m.def("store_kv_int8", &store_kv_int8,
         "k, v rows quantized into an int8 cache's slots with their scales (CPU)");
+  pybind11::class_<DecodeLayer>(m, "DecodeLayer", "a pre-norm decoder layer's decode step in one call (CPU)")
+      .def(pybind11::init<at::Tensor, double, at::Tensor, double, pybind11::object, pybind11::object,
+                          pybind11::object, pybind11::object, pybind11::object, int64_t, int64_t,
+                          const std::string&, std::vector<at::Tensor>>())
+      .def("forward", &DecodeLayer::forward);
 }

@@ -34,6 +34,7 @@
 // setup.py builds this file once per level; `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "kernel_ops.h"
 #include "linear_operands.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -1395,6 +1396,18 @@ at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K, const std::string& d
   return out;
 }
 
+// linear_quant or linear_q8 (by name) with its operands bound, for a decoder layer run as one call
+// (kernel_ops.h); N is W's rows here.
+pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                          c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(name == "linear_quant" || name == "linear_q8",
+              "this kernel's products are linear_quant or linear_q8, not ", name);
+  check(w, fmt, K);
+  TORCH_CHECK(w.size(0) == N, "W has ", w.size(0), " rows, not N = ", N);
+  const kvserve::ProductFn fn = name == "linear_q8" ? linear_q8 : linear_quant;
+  return kvserve::product_capsule(fn, w, fmt, K, bias);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1405,4 +1418,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 x @ W^T (+ bias), x quantized to 8 bits per block of W's size, integer dot products (CPU)");
   m.def("dequantize", &dequantize, "W packed in Q5_0 / Q5_1 / IQ4_NL / Q2_K..Q6_K blocks as [N, K] in fp32 "
         "(or bf16 / fp16) (CPU)", py::arg("w"), py::arg("fmt"), py::arg("K"), py::arg("dtype") = "float32");
+  m.def("rows_op", &rows_op,
+        "linear_quant or linear_q8 with its operands bound, as a kvserve.RowsOp capsule (kernel_ops.h)");
 }

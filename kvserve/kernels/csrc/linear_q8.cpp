@@ -57,6 +57,7 @@
 // whole of K ("bf16 tiles" below).
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "kernel_ops.h"
 #include "linear_operands.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -1067,6 +1068,25 @@ at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K,
 }
 #endif
 
+// linear_q8 with its operands bound, for a decoder layer run as one call (kernel_ops.h).
+struct BoundPanels final : kvserve::RowsOp {
+  at::Tensor w;
+  int64_t fmt, K, N;
+  c10::optional<at::Tensor> bias;
+  BoundPanels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<at::Tensor> bias)
+      : w(std::move(w)), fmt(fmt), K(K), N(N), bias(std::move(bias)) {}
+  at::Tensor operator()(const at::Tensor& x) const override { return linear_q8(x, w, fmt, K, N, bias); }
+};
+
+pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                          c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(name == "linear_q8", "this kernel's product is linear_q8, not ", name);
+  check(w, fmt, K);
+  TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ",
+              N);
+  return kvserve::to_capsule<kvserve::RowsOp>(std::make_unique<BoundPanels>(w, fmt, K, N, bias));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1080,4 +1100,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_tiles", &linear_bf16_tiles,
         "fp32 bf16(x) @ bf16(W)^T (+ bias), W in panels of N Q4_0 / Q4_1 / Q8_0 rows dequantized to bf16 at each call");
 #endif
+  m.def("rows_op", &rows_op, "linear_q8 with its operands bound, as a kvserve.RowsOp capsule (kernel_ops.h)");
 }

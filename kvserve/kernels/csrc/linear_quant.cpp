@@ -18,6 +18,7 @@
 // picks the best the CPU runs; `isa()` names the build.
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
+#include "kernel_ops.h"
 #include "linear_operands.h"
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
@@ -295,6 +296,16 @@ at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K, const std::string& d
   return out;
 }
 
+// linear_quant with its operands bound, for a decoder layer run as one call (kernel_ops.h); N is
+// W's rows here.
+pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                          c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(name == "linear_quant", "this kernel's product is linear_quant, not ", name);
+  check(w, fmt, K);
+  TORCH_CHECK(w.size(0) == N, "W has ", w.size(0), " rows, not N = ", N);
+  return kvserve::product_capsule(linear_quant, w, fmt, K, bias);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -302,4 +313,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_quant", &linear_quant, "fp32 x @ W^T (+ bias), W packed in Q8_0 / Q4_0 / Q4_1 blocks (CPU)");
   m.def("dequantize", &dequantize, "W packed in Q8_0 / Q4_0 / Q4_1 blocks as [N, K] in fp32 (or bf16 / fp16) (CPU)",
         py::arg("w"), py::arg("fmt"), py::arg("K"), py::arg("dtype") = "float32");
+  m.def("rows_op", &rows_op,
+        "linear_quant with its operands bound, as a kvserve.RowsOp capsule (kernel_ops.h)");
 }

@@ -34,6 +34,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/utils/pybind.h>  // pybind11 with at::Tensor arguments (lighter than torch/extension.h)
 #include "context_parts.h"
+#include "kernel_ops.h"
 #include "parallel_tasks.h"
 #include "vec_math.h"
 #include <ATen/Parallel.h>
@@ -1069,10 +1070,39 @@ std::string isa() {
 #endif
 }
 
+// paged_decode or paged_decode_int8 over one layer's cache, its tensors and scale bound, for a
+// decoder layer run as one call (kernel_ops.h). operands: what the entry takes after q (dense: k,
+// v; int8: k, k_scale, v, v_scale).
+struct Decode final : kvserve::DecodeOp {
+  bool int8;
+  std::vector<at::Tensor> cache;
+  double scale;
+  Decode(bool int8, std::vector<at::Tensor> cache, double scale)
+      : int8(int8), cache(std::move(cache)), scale(scale) {}
+  at::Tensor operator()(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
+                        int64_t window) const override {
+    return int8 ? paged_decode_int8(q, cache[0], cache[1], cache[2], cache[3], tables, lens, scale, window)
+                : paged_decode(q, cache[0], cache[1], tables, lens, scale, window);
+  }
+};
+
+pybind11::capsule decode_op(const std::string& kind, std::vector<at::Tensor> operands, double scale) {
+  TORCH_CHECK(kind == "dense" || kind == "int8", "a decode op reads a dense or an int8 cache, not ", kind);
+  const size_t want = kind == "int8" ? 4 : 2;
+  TORCH_CHECK(operands.size() == want, "the decode of a ", kind, " cache takes ", want, " tensors, not ",
+              operands.size());
+  for (const auto& t : operands)
+    TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), "contiguous CPU cache tensors");
+  auto op = std::make_unique<Decode>(kind == "int8", std::move(operands), scale);
+  return kvserve::to_capsule<kvserve::DecodeOp>(std::move(op));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction-set level this build was compiled for");
+  m.def("decode_op", &decode_op, "paged_decode (dense) or paged_decode_int8 over one layer, its cache "
+        "and scale bound, as a kvserve.DecodeOp capsule (kernel_ops.h)");
   m.def("paged_decode", &paged_decode, "decode attention over a dense paged KV cache (CPU)");
   m.def("paged_decode_int8", &paged_decode_int8, "decode attention over an int8 paged KV cache (CPU)");
   m.def("paged_decode_fp8", &paged_decode_fp8, "decode attention over an fp8 paged KV cache (CPU)");

@@ -1,0 +1,216 @@
+"""A decoder layer's decode step as one compiled call (layer_ops' DecodeLayer): where a layer's
+blocks run their fast forms over packed products and a dense or int8 cache, a step of plain
+decodes goes through one call a layer, and gives what the blocks called one by one give (the
+same kernels in the same order), bit for bit: tokens and every step's logits, against the fast
+path without it (FastPathEnv.fused off) and the eager modules. Where it does not apply (another
+cache format, attention sinks, a dense model, kernels not built) the layers are called as before."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvserve import kernels
+from kvserve.models.llama import LlamaDecoderLayer
+from tests.conftest import greedy, make_engine, random_llama, run_collecting_logits
+
+PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
+
+
+def fused_built(*products: str) -> bool:
+    """Whether layers can run as one call here: layer_ops' vector build (the MLP's fast form needs
+    it), the attention kernel and the products' kernels."""
+    ops = kernels.load("layer_ops")
+    needed = ("paged_attention", *products)
+    return (ops is not None and ops.isa() != "portable" and hasattr(ops, "DecodeLayer")
+            and all(kernels.load(k) is not None for k in needed))
+
+
+def fused_layers(engine) -> int:
+    """How many decoder layers are bound to run a step of plain decodes as one call."""
+    return sum(1 for m in engine.model.modules() if isinstance(m, LlamaDecoderLayer)
+               and getattr(m.__dict__.get("forward"), "__name__", "") == "fused_forward")
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    """The rows of each layer step run as one compiled call (layer_ops' DecodeLayer, counted)."""
+    calls: list[int] = []
+    ops = kernels.load("layer_ops")
+    if ops is None or not hasattr(ops, "DecodeLayer"):
+        return calls
+    one_call = ops.DecodeLayer
+
+    class Counted:
+        def __init__(self, *args):
+            self.layer = one_call(*args)
+
+        def forward(self, x, *rest):
+            calls.append(x.shape[0])
+            return self.layer.forward(x, *rest)
+    monkeypatch.setattr(ops, "DecodeLayer", Counted)
+    return calls
+
+
+def three_ways(loaded, prompts, max_tokens, calls, max_num_seqs=4, **options):
+    """Tokens and logits through the fused layers, the fast path without them and the eager
+    modules; how many layers each binds fused, and how many layer steps each ran as one call."""
+    runs = {}
+    for name, fast, fused in (("fused", True, True), ("unfused", True, False), ("eager", False, False)):
+        engine = make_engine(loaded, max_num_seqs=max_num_seqs, max_num_batched_tokens=32, **options)
+        engine.runner.use_fast_path(fast, fused=fused)
+        before = len(calls)
+        outputs = run_collecting_logits(engine, prompts, greedy(max_tokens, ignore_eos=True))
+        runs[name] = outputs, fused_layers(engine), calls[before:]
+    return runs
+
+
+def assert_equal(a, b):
+    (out_a, logits_a), (out_b, logits_b) = a, b
+    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
+    assert len(logits_a) == len(logits_b) == len(out_a)
+    for rows, other in zip(logits_a.values(), logits_b.values()):
+        assert len(rows) == len(other) and all(torch.equal(x, y) for x, y in zip(rows, other))
+
+
+def check(loaded, prompts, max_tokens, layers, fuses, calls, **options):
+    """The three runs agree bit for bit; the fused one binds every layer and runs decode steps as
+    one call where `fuses`, and none otherwise. Returns the rows of each step run as one call."""
+    runs = three_ways(loaded, prompts, max_tokens, calls, **options)
+    assert_equal(runs["fused"][0], runs["unfused"][0])
+    assert_equal(runs["fused"][0], runs["eager"][0])
+    assert runs["unfused"][1] == runs["eager"][1] == 0 and runs["unfused"][2] == runs["eager"][2] == []
+    assert runs["fused"][1] == (layers if fuses else 0)
+    assert bool(runs["fused"][2]) == fuses
+    return runs["fused"][2]
+
+
+# (options, the product kernel the layers' products take, whether a plain decode step runs as one
+# call). The defaults' products (packed activations auto) are linear_q8's for Q8_0 and Q4_1.
+CASES = {
+    "q8": (dict(weight_dtype="int8"), "linear_q8", True),
+    "q8-float-act": (dict(weight_dtype="int8", packed_activations="float"), "linear_quant", True),
+    "q4-int8-act": (dict(weight_dtype="int4", packed_activations="int8"), "linear_q8", True),
+    "int8-cache": (dict(weight_dtype="int4", kv_cache_dtype="int8"), "linear_q8", True),
+    "fp32-cache": (dict(weight_dtype="int8", kv_cache_dtype="float32"), "linear_q8", True),
+    "window": (dict(weight_dtype="int8", sliding_window=12), "linear_q8", True),
+    "fp8-cache": (dict(weight_dtype="int8", kv_cache_dtype="fp8"), "linear_q8", False),  # no one-call write
+    "int4-cache": (dict(weight_dtype="int4", kv_cache_dtype="int4"), "linear_q8", False),
+    "dense": (dict(weight_dtype="float32"), "linear_q8", False),  # torch's products: no compiled operation
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_fused_layers_equal_the_blocks_called_one_by_one(case, one_calls):
+    options, product, fuses = CASES[case]
+    if options.get("packed_activations") == "int8" and kernels.load("linear_q8") is None:
+        pytest.skip(f"int8 activations need the compiled linear_q8 kernel: {kernels.failure('linear_q8')}")
+    loaded = random_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, seed=5)
+    prompts = [[(7 * i + 3 * j) % 120 + 2 for j in range(n)] for i, n in enumerate((3, 9, 17, 24, 6))]
+    check(loaded, prompts, 30, 3, fuses and fused_built(product), one_calls, **options)
+
+
+def test_attention_sinks_bind_the_one_call_and_never_take_it(one_calls):
+    """A group with sinks has no plain decode step: the layers are bound, every step unfused."""
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=6)
+    prompts = [[(5 * i + 3 * j) % 120 + 2 for j in range(n)] for i, n in enumerate((7, 19, 4))]
+    runs = three_ways(loaded, prompts, 24, one_calls, weight_dtype="int8", sliding_window=16,
+                      attention_sinks=4)
+    assert_equal(runs["fused"][0], runs["unfused"][0])
+    assert_equal(runs["fused"][0], runs["eager"][0])
+    assert runs["fused"][1] == (2 if fused_built("linear_q8") else 0) and runs["fused"][2] == []
+
+
+def test_more_rows_than_a_product_kernel_takes_go_one_by_one(one_calls):
+    """Float activations: linear_quant takes up to FEW_ROWS rows; a step of more decodes calls the
+    blocks (its products dequantize), a step of fewer runs as one call."""
+    from kvserve.models.packed import FEW_ROWS
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=7)
+    prompts = [[(11 * i + j) % 120 + 2 for j in range(3 + i % 4)] for i in range(FEW_ROWS + 3)]
+    fuses = fused_built("linear_quant")
+    rows = check(loaded, prompts, 12, 2, fuses, one_calls, max_num_seqs=FEW_ROWS + 3, weight_dtype="int8",
+                 packed_activations="float")
+    assert all(r <= FEW_ROWS for r in rows)
+
+
+def test_wide_weights_fuse_too(tmp_path, one_calls):
+    """F16 matrices under an fp32 model: linear_wide's products as compiled operations."""
+    from kvserve.models.registry import load_weights
+    from tests.models.test_wide_weights import tiny_llama, write_llama_gguf
+    path = tmp_path / "llama-F16.gguf"
+    write_llama_gguf(path, tiny_llama(False), "F16")
+    loaded = load_weights(str(path))
+    prompts = [[5, 9, 33, 2, 71], [11, 4], [100, 3, 8, 64, 27, 13, 90]]
+    check(loaded, prompts, 10, 2, fused_built("linear_wide"), one_calls, dtype="float32")
+
+
+def test_stories_down_projection_is_not_packed_so_nothing_fuses(stories, one_calls):
+    """stories260K's MLP is 172 wide, no whole number of 32-blocks: its down_proj stays a torch
+    product, so its layers are called one by one (and give what the eager modules give)."""
+    ids = stories.tokenizer.encode(PROMPT)
+    layers = stories.config.num_hidden_layers
+    check(stories, [ids[:n] for n in (3, 9, 17)], 12, layers, False, one_calls, weight_dtype="int8")
+
+
+@pytest.mark.parametrize("acts", ["float", "int8"])
+def test_k_quant_products_fuse_too(acts, one_calls):
+    """Q4_K matrices: linear_kquant's products (fp32 or int8 activations) as compiled operations."""
+    from tests.kernels.kquant_blocks import random_packed
+    if acts == "int8" and kernels.load("linear_kquant") is None:
+        pytest.skip(f"int8 activations need the compiled linear_kquant: {kernels.failure('linear_kquant')}")
+    loaded = random_llama(num_layers=2, hidden=256, heads=4, kv_heads=2, seed=3)
+
+    def packed(i, name, v):  # every layer matrix as random valid Q4_K blocks
+        layer_matrix = name.startswith("model.layers.") and v.dim() == 2
+        return random_packed(*v.shape, "q4_k", seed=i, scale=0.002) if layer_matrix else v
+    sd = {name: packed(i, name, v) for i, (name, v) in enumerate(loaded.state_dict.items())}
+    loaded = dataclasses.replace(loaded, state_dict=sd)
+    prompts = [[5, 9, 33, 2, 71], [11, 4], [100, 3, 8, 64, 27, 13, 90]]
+    check(loaded, prompts, 10, 2, fused_built("linear_kquant"), one_calls, packed_activations=acts)
+
+
+def test_smollm2_defaults_fuse_every_layer(smollm2, one_calls):
+    ids = smollm2.tokenizer.encode("The cache keeps the keys and values of every token it has seen.")
+    layers = smollm2.config.num_hidden_layers
+    check(smollm2, [ids[:n] for n in (4, 11, 7)], 8, layers, fused_built("linear_q8"), one_calls)
+
+
+def test_operations_refuse_what_they_do_not_take():
+    if not all(kernels.load(k) is not None for k in ("layer_ops", "linear_q8", "paged_attention")):
+        pytest.skip("needs the compiled layer_ops, paged_attention and linear_q8 kernels")
+    ops, q8, attention = kernels.load("layer_ops"), kernels.load("linear_q8"), kernels.load("paged_attention")
+    w = torch.zeros(16, 20, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="linear_q8, not linear_quant"):
+        q8.rows_op("linear_quant", w, 3, 32, 16, None)
+    cache = [torch.zeros(4, 16, 2, 8)] * 2
+    with pytest.raises(RuntimeError, match="dense or an int8 cache, not fp8"):
+        attention.decode_op("fp8", cache, 1.0)
+    with pytest.raises(RuntimeError, match="int8 cache takes 4 tensors, not 2"):
+        attention.decode_op("int8", cache, 1.0)
+    product, decode = q8.rows_op("linear_q8", w, 3, 32, 16, None), attention.decode_op("dense", cache, 1.0)
+    norm = torch.ones(32)
+    with pytest.raises(TypeError, match="kvserve.RowsOp capsule"):  # a decode op where a product goes
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, decode, product, product, product, decode, 2, 1, "store_kv",
+                        cache)
+    with pytest.raises(RuntimeError, match="store_kv or store_kv_int8, not store_kv_fp8"):
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 2, 1,
+                        "store_kv_fp8", cache)
+    with pytest.raises(RuntimeError, match="store_kv_int8 writes an int8 cache, not Float"):
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 2, 1,
+                        "store_kv_int8", cache * 2)
+    with pytest.raises(RuntimeError, match=r"heads \(3\) must be a positive multiple of kv_heads \(2\)"):
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 3, 2, "store_kv",
+                        cache)
+    with pytest.raises(RuntimeError, match="W holds 16 panel rows, not panels of 40"):
+        q8.rows_op("linear_q8", w, 3, 32, 40, None)
+
+
+def test_every_packed_products_kernel_hands_its_product_over():
+    """Each kernel a packed weight's products take (its format's, int8 activations' linear_q8)
+    has rows_op, so no packed format's layers fall back for want of it."""
+    from kvserve.models.packed import FORMATS, WIDE_FORMATS
+    names = {f.kernel for f in (*FORMATS.values(), *WIDE_FORMATS.values())} | {"linear_q8"}
+    built = {name: kernels.load(name) for name in sorted(names)}
+    if not any(built.values()):
+        pytest.skip("no product kernel is built (kernels off)")
+    assert [name for name, m in built.items() if m is not None and not hasattr(m, "rows_op")] == []
