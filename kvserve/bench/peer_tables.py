@@ -52,7 +52,9 @@ def peers_tables(run: Run) -> str:
         b = run["batch1"]
         out.append(f"Batch 1, SmolLM2-135M Q4_1 GGUF, medians of {len(next(iter(b['runs'].values())))} "
                    f"interleaved repeats (llama.cpp: {b['llama_cpp']}):\n\n{batch1_table(b)}")
-        out.append(f"Where a batch-1 decode step goes:\n\n{breakdown_table(b['decode_breakdown_ms'])}")
+        out.append("Where a batch-1 decode step goes (each kernel timed on its own, so a decoder layer is not "
+                   "one compiled call here and the step is slower than the engine's):\n\n"
+                   f"{breakdown_table(b['decode_breakdown_ms'])}")
     if "throughput" in run:
         t = run["throughput"]
         out.append(f"Offline throughput, {t['num_prompts']} requests, prompts and outputs 64-192 tokens, EOS "
