@@ -84,12 +84,12 @@ def rows_op(module: Any, env: "FastPathEnv") -> Optional[Any]:
     """The module's KernelCall for env as one compiled operation that another kernel calls without
     Python (a kvserve.RowsOp capsule: kernels/csrc/kernel_ops.h; the same kernel on the same
     operands), or None: the module has no kernel call for env, or no such operation (a method
-    `rows_op(env)` defined in the class that defines its kernel_call)."""
+    `rows_op(call)` defined in the class that defines its kernel_call)."""
     definer = _definer(type(module), "kernel_call")
     if definer is None or _definer(type(module), "rows_op") is not definer:
         return None
     call = kernel_call(module, env)
-    return module.rows_op(env) if call.module is module and call.fn != module.forward else None
+    return module.rows_op(call) if call.module is module and call.fn != module.forward else None
 
 
 class FastPath:

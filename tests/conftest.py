@@ -156,6 +156,17 @@ def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list
     return [done[i] for i in ids], {i: logits[i] for i in ids}
 
 
+def assert_same_outputs(a: tuple[list, dict], b: tuple[list, dict]) -> None:
+    """Two run_collecting_logits results of the same prompts: the same tokens, and every request's
+    logits at every step equal bit for bit."""
+    import torch
+    (out_a, logits_a), (out_b, logits_b) = a, b
+    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
+    assert len(logits_a) == len(logits_b) == len(out_a)
+    for rows, other in zip(logits_a.values(), logits_b.values()):  # both in the prompts' order
+        assert len(rows) == len(other) and all(torch.equal(x, y) for x, y in zip(rows, other))
+
+
 def fresh_and_gathered(monkeypatch: Any, storage_cls: type, make: Any, prompts: list, params: Any) -> dict:
     """Run the prompts on make()'s engine twice: as it is (fresh: a chunk that starts its sequence
     attends to its own K/V, cast as the cache gives them back) and with storage_cls naming no such

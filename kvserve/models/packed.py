@@ -222,10 +222,9 @@ class PackedLinear(DirectCall, FastPath, nn.Module):
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
         return KernelCall(self.kernel.linear_quant, operands, self.fmt.kernel_rows, self)
 
-    def rows_op(self, env: FastPathEnv) -> Any:
-        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
-        return self.kernel.rows_op("linear_quant", self.qweight, self.fmt.ggml_type, self.in_features,
-                                   self.out_features, self.bias)
+    def rows_op(self, call: KernelCall) -> Any:
+        """Its kernel call as one compiled operation (kvserve.modules.rows_op)."""
+        return self.kernel.rows_op("linear_quant", *call.operands)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """Decode's few fp32 rows straight to the kernel; the rest eager."""
@@ -280,10 +279,9 @@ class PackedLinearQ8(PackedLinear):
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.out_features, self.bias)
         return KernelCall(self.q8.linear_q8, operands, math.inf, self)
 
-    def rows_op(self, env: FastPathEnv) -> Any:
-        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
-        return self.q8.rows_op("linear_q8", self.qweight, self.fmt.ggml_type, self.in_features,
-                               self.out_features, self.bias)
+    def rows_op(self, call: KernelCall) -> Any:
+        """Its kernel call as one compiled operation (kvserve.modules.rows_op)."""
+        return self.q8.rows_op("linear_q8", *call.operands)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""
@@ -329,10 +327,9 @@ class PackedLinearQ8Rows(PackedLinear):
         operands = (self.qweight, self.fmt.ggml_type, self.in_features, self.bias)
         return KernelCall(self.kernel.linear_q8, operands, math.inf, self)
 
-    def rows_op(self, env: FastPathEnv) -> Any:
-        """kernel_call's kernel on its operands as one compiled operation (kvserve.modules.rows_op)."""
-        return self.kernel.rows_op("linear_q8", self.qweight, self.fmt.ggml_type, self.in_features,
-                                   self.out_features, self.bias)
+    def rows_op(self, call: KernelCall) -> Any:
+        """Its kernel call as one compiled operation (kvserve.modules.rows_op)."""
+        return self.kernel.rows_op("linear_q8", *call.operands)
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """fp32 rows straight to the kernel; the rest eager."""

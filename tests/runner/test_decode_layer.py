@@ -12,7 +12,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.models.llama import LlamaDecoderLayer
-from tests.conftest import greedy, make_engine, random_llama, run_collecting_logits
+from tests.conftest import assert_same_outputs, greedy, make_engine, random_llama, run_collecting_logits
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
 
@@ -65,20 +65,12 @@ def three_ways(loaded, prompts, max_tokens, calls, max_num_seqs=4, **options):
     return runs
 
 
-def assert_equal(a, b):
-    (out_a, logits_a), (out_b, logits_b) = a, b
-    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
-    assert len(logits_a) == len(logits_b) == len(out_a)
-    for rows, other in zip(logits_a.values(), logits_b.values()):
-        assert len(rows) == len(other) and all(torch.equal(x, y) for x, y in zip(rows, other))
-
-
 def check(loaded, prompts, max_tokens, layers, fuses, calls, **options):
     """The three runs agree bit for bit; the fused one binds every layer and runs decode steps as
     one call where `fuses`, and none otherwise. Returns the rows of each step run as one call."""
     runs = three_ways(loaded, prompts, max_tokens, calls, **options)
-    assert_equal(runs["fused"][0], runs["unfused"][0])
-    assert_equal(runs["fused"][0], runs["eager"][0])
+    assert_same_outputs(runs["fused"][0], runs["unfused"][0])
+    assert_same_outputs(runs["fused"][0], runs["eager"][0])
     assert runs["unfused"][1] == runs["eager"][1] == 0 and runs["unfused"][2] == runs["eager"][2] == []
     assert runs["fused"][1] == (layers if fuses else 0)
     assert bool(runs["fused"][2]) == fuses
@@ -116,8 +108,8 @@ def test_attention_sinks_bind_the_one_call_and_never_take_it(one_calls):
     prompts = [[(5 * i + 3 * j) % 120 + 2 for j in range(n)] for i, n in enumerate((7, 19, 4))]
     runs = three_ways(loaded, prompts, 24, one_calls, weight_dtype="int8", sliding_window=16,
                       attention_sinks=4)
-    assert_equal(runs["fused"][0], runs["unfused"][0])
-    assert_equal(runs["fused"][0], runs["eager"][0])
+    assert_same_outputs(runs["fused"][0], runs["unfused"][0])
+    assert_same_outputs(runs["fused"][0], runs["eager"][0])
     assert runs["fused"][1] == (2 if fused_built("linear_q8") else 0) and runs["fused"][2] == []
 
 

@@ -10,7 +10,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.modules import FastPath, FastPathEnv, bind_fast_path
-from tests.conftest import greedy, make_engine, run_collecting_logits
+from tests.conftest import assert_same_outputs, greedy, make_engine, run_collecting_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -36,11 +36,7 @@ def fast_and_eager(loaded, prompts, max_tokens=12, **options):
 
 
 def assert_same(runs):
-    ((out_a, logits_a), _), ((out_b, logits_b), _) = runs[True], runs[False]
-    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
-    assert len(logits_a) == len(logits_b) == len(out_a)
-    for rows, other in zip(logits_a.values(), logits_b.values()):  # both in the prompts' order
-        assert len(rows) == len(other) and all(torch.equal(a, b) for a, b in zip(rows, other))
+    assert_same_outputs(runs[True][0], runs[False][0])
 
 
 def bound_kinds(runs) -> set[str]:

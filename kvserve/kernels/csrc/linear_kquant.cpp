@@ -1396,14 +1396,13 @@ at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K, const std::string& d
   return out;
 }
 
-// linear_quant or linear_q8 (by name) with its operands bound, for a decoder layer run as one call
-// (kernel_ops.h); N is W's rows here.
-pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+// linear_quant or linear_q8 (by name) with its operands (those it takes after x) bound, for a
+// decoder layer run as one call (kernel_ops.h).
+pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K,
                           c10::optional<at::Tensor> bias) {
   TORCH_CHECK(name == "linear_quant" || name == "linear_q8",
               "this kernel's products are linear_quant or linear_q8, not ", name);
   check(w, fmt, K);
-  TORCH_CHECK(w.size(0) == N, "W has ", w.size(0), " rows, not N = ", N);
   const kvserve::ProductFn fn = name == "linear_q8" ? linear_q8 : linear_quant;
   return kvserve::product_capsule(fn, w, fmt, K, bias);
 }

@@ -1068,7 +1068,8 @@ at::Tensor linear_bf16_tiles(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K,
 }
 #endif
 
-// linear_q8 with its operands bound, for a decoder layer run as one call (kernel_ops.h).
+// linear_q8 with its operands (those it takes after x) bound, for a decoder layer run as one call
+// (kernel_ops.h).
 struct BoundPanels final : kvserve::RowsOp {
   at::Tensor w;
   int64_t fmt, K, N;

@@ -296,13 +296,12 @@ at::Tensor dequantize(at::Tensor w, int64_t fmt, int64_t K, const std::string& d
   return out;
 }
 
-// linear_quant with its operands bound, for a decoder layer run as one call (kernel_ops.h); N is
-// W's rows here.
-pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+// linear_quant with its operands (those it takes after x) bound, for a decoder layer run as one
+// call (kernel_ops.h).
+pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K,
                           c10::optional<at::Tensor> bias) {
   TORCH_CHECK(name == "linear_quant", "this kernel's product is linear_quant, not ", name);
   check(w, fmt, K);
-  TORCH_CHECK(w.size(0) == N, "W has ", w.size(0), " rows, not N = ", N);
   return kvserve::product_capsule(linear_quant, w, fmt, K, bias);
 }
 
