@@ -10,11 +10,17 @@ gate_up [3072 x 576] and down [576 x 1536], then the head [49152 x 576]. This sc
   * each product of the model at 1, 2, 4 and 8 rows of x, on 1 and 2 threads, through both
     compiled kernels (linear_quant: float activations; linear_q8: activations quantized to 8 bits
     a block) at the best level this CPU runs: microseconds a call, GB/s of weight streamed and the
-    fraction of the 1 GiB bandwidth. Every call of a pass reads another layer's weights (the 30
-    layers' own bytes, as a decode step reads them), so no product is timed out of a warm cache;
-  * the products of a whole decode step summed (30 layers and the head);
+    fraction of the 1 GiB bandwidth. A pass is a decode step's products in the step's order
+    (layer by layer qkv, o, gate_up, down, then the head), each call timed: every call reads
+    weights last read a whole pass (92 MiB) before, more than any L3 here holds, as a decode step
+    reads them. (Passes of one product over its 30 layers, repeated, read qkv's 10 MB, o's 6 MB
+    and down's 17 MB from a 32 MiB L3 after the first: on the Zen 4 machine qkv streamed 46.6
+    GB/s where a torch sum read 30.1, and a step's products summed to 2.70 ms; in the step's order
+    they took 4.25 and 4.45 ms within the hour.);
+  * the products of a whole decode step: one pass's wall time (30 layers and the head);
   * batch-1 greedy decode tokens/s of the engine, 128 tokens, with packed activations int8 and
-    float.
+    float, and the share of the engine's step (int8) its products alone take (the pass above, 1
+    row, the most threads; measured minutes apart).
 
 The kernels are timed by turns within each repeat and the best repeat kept: the cores may be
 shared, and the fastest pass is the one the machine allowed.
@@ -93,29 +99,46 @@ def _seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def calls(kernel_name: str, module: Any, p: Product, x: torch.Tensor) -> Callable[[], None]:
-    """One pass over the product's layers through a kernel (its weights in that kernel's layout)."""
-    if kernel_name == "linear_q8":
-        panels = [module.pack_panels(w, p.ggml_type, p.k) for w in p.weights]
-        return lambda: [module.linear_q8(x, w, p.ggml_type, p.k, p.n, None) for w in panels] and None
-    return lambda: [module.linear_quant(x, w, p.ggml_type, p.k, None) for w in p.weights] and None
+def step_calls(kernel_name: str, module: Any, products: list[Product], xs: dict[int, torch.Tensor]
+               ) -> list[tuple[str, Callable[[], Any]]]:
+    """A decode step's products in its order through a kernel (its weights in that kernel's
+    layout): each layer's products in turn, then the head; (product, call) pairs."""
+    def call(p: Product, w: torch.Tensor) -> Callable[[], Any]:
+        x = xs[p.k]
+        if kernel_name == "linear_q8":
+            panels = module.pack_panels(w, p.ggml_type, p.k)
+            return lambda: module.linear_q8(x, panels, p.ggml_type, p.k, p.n, None)
+        return lambda: module.linear_quant(x, w, p.ggml_type, p.k, None)
+
+    layers = max(len(p.weights) for p in products)
+    return [(p.name, call(p, p.weights[i])) for i in range(layers) for p in products if i < len(p.weights)]
 
 
-def time_products(products: list[Product], modules: dict[str, Any], rows: int, reps: int) -> dict[str, dict[str, float]]:
-    """Microseconds a call of each (kernel, product): best pass of `reps`, kernels by turns."""
+def time_products(products: list[Product], modules: dict[str, Any], rows: int, reps: int
+                  ) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
+    """Microseconds a call of each (kernel, product), its mean over a pass, and microseconds a
+    pass (a decode step's products): the best pass of `reps`, kernels by turns."""
     g = torch.Generator().manual_seed(0)
+    xs = {p.k: torch.randn(rows, p.k, generator=g) for p in products}
+    passes = {k: step_calls(k, m, products, xs) for k, m in modules.items()}
+    calls_of = {p.name: len(p.weights) for p in products}
     best: dict[str, dict[str, float]] = {k: {} for k in modules}
-    for p in products:
-        x = torch.randn(rows, p.k, generator=g)
-        passes = {k: calls(k, m, p, x) for k, m in modules.items()}
-        repeat = max(1, 60 // len(p.weights))  # a pass of at least ~60 calls
-        for fn in passes.values():
+    step: dict[str, float] = {}
+    for calls in passes.values():
+        for _, fn in calls:
             fn()  # warm-up
-        for _ in range(reps):
-            for k, fn in passes.items():
-                t = _seconds(lambda: [fn() for _ in range(repeat)]) / (repeat * len(p.weights))
-                best[k][p.name] = min(best[k].get(p.name, float("inf")), t * 1e6)
-    return best
+    for _ in range(reps):
+        for k, calls in passes.items():
+            spent = dict.fromkeys(calls_of, 0.0)
+            start = time.perf_counter()
+            for name, fn in calls:
+                t = time.perf_counter()
+                fn()
+                spent[name] += time.perf_counter() - t
+            step[k] = min(step.get(k, float("inf")), (time.perf_counter() - start) * 1e6)
+            for name, s in spent.items():
+                best[k][name] = min(best[k].get(name, float("inf")), s / calls_of[name] * 1e6)
+    return best, step
 
 
 def product_table(products: list[Product], modules: dict[str, Any], threads: list[int], rows: list[int], reps: int,
@@ -124,13 +147,13 @@ def product_table(products: list[Product], modules: dict[str, Any], threads: lis
     for t in threads:
         torch.set_num_threads(t)
         for m in rows:
-            us = time_products(products, modules, m, reps)
+            us, pass_us = time_products(products, modules, m, reps)
             for k in modules:
                 for p in products:
                     gb_s = p.bytes_per_call / us[k][p.name] / 1e3
                     entries.append({"threads": t, "rows": m, "kernel": k, "product": p.name, "us": round(us[k][p.name], 2),
                                     "gb_s": round(gb_s, 2), "of_bandwidth": round(gb_s / bandwidth[t], 3)})
-                step_us = sum(us[k][p.name] * len(p.weights) for p in products)
+                step_us = pass_us[k]
                 step_bytes = sum(p.bytes_per_call * len(p.weights) for p in products)
                 gb_s = step_bytes / step_us / 1e3
                 entries.append({"threads": t, "rows": m, "kernel": k, "product": "decode step", "us": round(step_us, 1),
@@ -187,6 +210,13 @@ def main() -> None:
     products = model_products(default_model_path())
     table = product_table(products, modules, a.threads, a.rows, a.reps, bandwidth)
     decode = decode_tokens_per_s(max(a.threads), a.decode_tokens, a.decode_repeats)
+    if 1 in a.rows:
+        # the step's products alone against the engine's step, at the same threads (minutes apart)
+        products_us = next(e["us"] for e in table if e["threads"] == max(a.threads) and e["rows"] == 1
+                           and e["kernel"] == "linear_q8" and e["product"] == "decode step")
+        step_us = 1e6 / decode["int8"]
+        print(f"batch-1 decode step of the engine (int8 activations) {step_us:.0f} us; its products alone, "
+              f"in its order, {products_us:.0f} us ({products_us / step_us:.0%} of the step)")
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps({
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
