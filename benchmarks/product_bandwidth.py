@@ -16,7 +16,7 @@ gate_up [3072 x 576] and down [576 x 1536], then the head [49152 x 576]. This sc
     reads them. (Passes of one product over its 30 layers, repeated, read qkv's 10 MB, o's 6 MB
     and down's 17 MB from a 32 MiB L3 after the first: on the Zen 4 machine qkv streamed 46.6
     GB/s where a torch sum read 30.1, and a step's products summed to 2.70 ms; in the step's order
-    they took 4.25 and 4.45 ms within the hour.);
+    they took 3.81 ms in the stored run.);
   * the products of a whole decode step: one pass's wall time (30 layers and the head);
   * batch-1 greedy decode tokens/s of the engine, 128 tokens, with packed activations int8 and
     float, and the share of the engine's step (int8) its products alone take (the pass above, 1
@@ -111,7 +111,10 @@ def step_calls(kernel_name: str, module: Any, products: list[Product], xs: dict[
         return lambda: module.linear_quant(x, w, p.ggml_type, p.k, None)
 
     layers = max(len(p.weights) for p in products)
-    return [(p.name, call(p, p.weights[i])) for i in range(layers) for p in products if i < len(p.weights)]
+    each_layer = [p for p in products if len(p.weights) == layers]
+    after = [p for p in products if len(p.weights) != layers]  # the head
+    return ([(p.name, call(p, p.weights[i])) for i in range(layers) for p in each_layer]
+            + [(p.name, call(p, w)) for p in after for w in p.weights])
 
 
 def time_products(products: list[Product], modules: dict[str, Any], rows: int, reps: int
