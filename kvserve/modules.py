@@ -85,11 +85,17 @@ def rows_op(module: Any, env: "FastPathEnv") -> Optional[Any]:
     Python (a kvserve.RowsOp capsule: kernels/csrc/kernel_ops.h; the same kernel on the same
     operands), or None: the module has no kernel call for env, or no such operation (a method
     `rows_op(call)` defined in the class that defines its kernel_call)."""
-    definer = _definer(type(module), "kernel_call")
-    if definer is None or _definer(type(module), "rows_op") is not definer:
+    if not has_rows_op(module):
         return None
     call = kernel_call(module, env)
     return module.rows_op(call) if call.module is module and call.fn != module.forward else None
+
+
+def has_rows_op(module: Any) -> bool:
+    """Whether the module's class defines rows_op(call) where it defines kernel_call (a subclass
+    that redefines kernel_call alone makes calls its parent's rows_op does not know)."""
+    definer = _definer(type(module), "kernel_call")
+    return definer is not None and _definer(type(module), "rows_op") is definer
 
 
 class FastPath:

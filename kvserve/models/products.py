@@ -36,7 +36,7 @@ from kvserve import kernels
 from kvserve.config import BF16_CPU_FLAGS, DTYPE_BYTES
 from kvserve.models.loaders.base import LoadedModel
 from kvserve.models.packed import FORMATS, PackedLinear, PackedLinearQ8, PackedLinearQ8Rows, PackedWeight
-from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall
+from kvserve.modules import DirectCall, FastPath, FastPathEnv, KernelCall, has_rows_op
 
 QUANTIZE_TO = {"int8": "q8_0", "int4": "q4_1"}  # --weight-dtype: the format float matrices are packed to
 PATHS = ("int8", "float", "dense")
@@ -222,8 +222,9 @@ class DenseAbove(DirectCall, FastPath, nn.Module):
         return None if call is None else call._replace(rows=min(call.rows, self.threshold), module=self)
 
     def rows_op(self, call: KernelCall) -> Any:
-        """The held module's compiled operation (kvserve.modules.rows_op): kernel_call is its call."""
-        return self.packed.rows_op(call)
+        """The held module's compiled operation (kvserve.modules.rows_op): kernel_call is its call;
+        None where the held module has none for it."""
+        return self.packed.rows_op(call) if has_rows_op(self.packed) else None
 
     def fast_methods(self, env: FastPathEnv) -> dict[str, Callable[..., torch.Tensor]]:
         """The held module's kernel call up to the threshold (called here: one frame fewer than

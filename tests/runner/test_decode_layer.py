@@ -206,3 +206,42 @@ def test_every_packed_products_kernel_hands_its_product_over():
     if not any(built.values()):
         pytest.skip("no product kernel is built (kernels off)")
     assert [name for name, m in built.items() if m is not None and not hasattr(m, "rows_op")] == []
+
+
+def test_a_product_hands_over_only_the_operation_of_its_own_kernel_call():
+    """rows_op(call) counts where the class that defines kernel_call defines it: a subclass that
+    redefines kernel_call alone makes calls its parent's rows_op does not know, and neither it
+    nor a DenseAbove holding it hands an operation over (its layer runs its blocks one by one)."""
+    from types import SimpleNamespace
+
+    from kvserve.models.products import DenseAbove
+    from kvserve.modules import KernelCall, has_rows_op
+
+    class Product:
+        def kernel_call(self, env):
+            return None
+
+        def rows_op(self, call):
+            return "operation"
+
+    class OtherCall(Product):
+        def kernel_call(self, env):
+            return None
+
+    class Both(OtherCall):
+        def kernel_call(self, env):
+            return None
+
+        def rows_op(self, call):
+            return "its own operation"
+
+    class OtherOperation(OtherCall):  # rows_op below the class whose kernel_call it would take
+        def rows_op(self, call):
+            return "an operation"
+
+    assert has_rows_op(Product()) and not has_rows_op(OtherCall()) and has_rows_op(Both())
+    assert not has_rows_op(OtherOperation()) and not has_rows_op(SimpleNamespace())
+    call = KernelCall(print, (), 8, None)
+    assert DenseAbove.rows_op(SimpleNamespace(packed=Product()), call) == "operation"
+    assert DenseAbove.rows_op(SimpleNamespace(packed=OtherCall()), call) is None
+    assert DenseAbove.rows_op(SimpleNamespace(packed=Both()), call) == "its own operation"
