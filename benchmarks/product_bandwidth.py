@@ -16,14 +16,16 @@ gate_up [3072 x 576] and down [576 x 1536], then the head [49152 x 576]. This sc
     reads them. (Passes of one product over its 30 layers, repeated, read qkv's 10 MB, o's 6 MB
     and down's 17 MB from a 32 MiB L3 after the first: on the Zen 4 machine qkv streamed 46.6
     GB/s where a torch sum read 30.1, and a step's products summed to 2.70 ms; in the step's order
-    they took 3.81 ms in the stored run.);
+    they took 3.8 ms in two runs.);
   * the products of a whole decode step: one pass's wall time (30 layers and the head);
   * batch-1 greedy decode tokens/s of the engine, 128 tokens, with packed activations int8 and
     float, and the share of the engine's step (int8) its products alone take (the pass above, 1
     row, the most threads; measured minutes apart).
 
-The kernels are timed by turns within each repeat and the best repeat kept: the cores may be
-shared, and the fastest pass is the one the machine allowed.
+The kernels are timed by turns within each repeat and each figure's best repeat kept (a
+product's mean call and a whole pass each on its own: they may come from different repeats): the
+cores may be shared, and the fastest is what the machine allowed. A pass's time includes its
+calls' timers, a few hundred nanoseconds a call (about 1% of a step).
 
     .venv/bin/python benchmarks/product_bandwidth.py [--threads 1 2] [--rows 1 2 4 8] [--reps 7]
 
@@ -213,6 +215,7 @@ def main() -> None:
     products = model_products(default_model_path())
     table = product_table(products, modules, a.threads, a.rows, a.reps, bandwidth)
     decode = decode_tokens_per_s(max(a.threads), a.decode_tokens, a.decode_repeats)
+    share = None
     if 1 in a.rows:
         # the step's products alone against the engine's step, at the same threads (minutes apart)
         products_us = next(e["us"] for e in table if e["threads"] == max(a.threads) and e["rows"] == 1
@@ -220,6 +223,8 @@ def main() -> None:
         step_us = 1e6 / decode["int8"]
         print(f"batch-1 decode step of the engine (int8 activations) {step_us:.0f} us; its products alone, "
               f"in its order, {products_us:.0f} us ({products_us / step_us:.0%} of the step)")
+        share = {"step_us": round(step_us, 1), "products_us": products_us,
+                 "of_step": round(products_us / step_us, 3)}
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps({
         "model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
@@ -229,6 +234,7 @@ def main() -> None:
                       "bytes": p.bytes_per_call} for p in products],
         "timings": table,
         "decode_batch1_tokens_per_s": {"threads": max(a.threads), **decode},
+        "step_products_share": share,
     }, indent=1) + "\n")
     print(f"wrote {RESULT}")
 
