@@ -156,15 +156,17 @@ def run_collecting_logits(engine: Any, prompts: list, params: Any) -> tuple[list
     return [done[i] for i in ids], {i: logits[i] for i in ids}
 
 
-def assert_same_outputs(a: tuple[list, dict], b: tuple[list, dict]) -> None:
-    """Two run_collecting_logits results of the same prompts: the same tokens, and every request's
-    logits at every step equal bit for bit."""
+def assert_same_outputs(a: tuple, b: tuple) -> None:
+    """Two runs of the same prompts, each run_collecting_logits' (outputs, logits by request id)
+    followed by anything else (fresh_and_gathered's read counts, left out): the same tokens, and
+    every request's logits at every step equal bit for bit."""
     import torch
-    (out_a, logits_a), (out_b, logits_b) = a, b
-    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
-    assert len(logits_a) == len(logits_b) == len(out_a)
-    for rows, other in zip(logits_a.values(), logits_b.values()):  # both in the prompts' order
-        assert len(rows) == len(other) and all(torch.equal(x, y) for x, y in zip(rows, other))
+    (outs, logits), (other_outs, other_logits) = a[:2], b[:2]
+    assert len(logits) == len(other_logits) == len(outs)
+    for out, other in zip(outs, other_outs, strict=True):
+        assert out.outputs[0].token_ids == other.outputs[0].token_ids
+        rows, other_rows = logits[out.request_id], other_logits[other.request_id]
+        assert len(rows) == len(other_rows) and all(torch.equal(x, y) for x, y in zip(rows, other_rows))
 
 
 def fresh_and_gathered(monkeypatch: Any, storage_cls: type, make: Any, prompts: list, params: Any) -> dict:
@@ -187,17 +189,6 @@ def fresh_and_gathered(monkeypatch: Any, storage_cls: type, make: Any, prompts: 
                 patch.setattr(storage_cls, "reads_back_as", lambda self: None)
             runs[fresh] = (*run_collecting_logits(make(), prompts, params), reads)
     return runs
-
-
-def assert_same_logits(a: tuple, b: tuple) -> None:
-    """Two runs of the same prompts (fresh_and_gathered's) gave the same tokens and every logit
-    bit for bit."""
-    import torch
-    (outs, logits, _), (other_outs, other_logits, _) = a, b
-    for out, other in zip(outs, other_outs, strict=True):
-        assert out.outputs[0].token_ids == other.outputs[0].token_ids
-        assert all(torch.equal(x, y) for x, y in zip(logits[out.request_id], other_logits[other.request_id],
-                                                      strict=True))
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

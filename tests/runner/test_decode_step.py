@@ -10,7 +10,7 @@ import torch
 from kvserve.core.outputs import ScheduledSequence
 from kvserve.core.sampling_params import SamplingParams
 from kvserve.runner.sampler import Sampler, greedy_tokens, is_plain_greedy
-from tests.conftest import greedy, make_engine, run_collecting_logits
+from tests.conftest import assert_same_outputs, greedy, make_engine, run_collecting_logits
 
 PROMPT = "Once upon a time, there was a little girl named Lily. She loved to play outside in the park"
 
@@ -112,7 +112,4 @@ def test_short_paths_give_the_general_paths_tokens_and_logits(stories):
             runner._samples_every_row = lambda hidden, inp: False
             runner.sampler.__class__ = GeneralSampler
         runs.append(run_collecting_logits(engine, prompts, greedy(20, ignore_eos=True)))
-    (out_a, logits_a), (out_b, logits_b) = runs
-    assert [o.outputs[0].token_ids for o in out_a] == [o.outputs[0].token_ids for o in out_b]
-    for rows, other in zip(logits_a.values(), logits_b.values(), strict=True):
-        assert len(rows) == len(other) and all(torch.equal(a, b) for a, b in zip(rows, other))
+    assert_same_outputs(*runs)
