@@ -282,15 +282,23 @@ struct Out {
 };
 
 #if defined(__AVX2__)
-// How far ahead of the panels it reads a tile of one to three rows of x asks for W (software
-// prefetch): those rows stream W, a byte of it serving at most three rows, so each core reads it
-// at the rate of its memory, and more lines in flight than the hardware prefetcher keeps help.
+// How far ahead of the panels it reads a tile of a few rows of x asks for W (software prefetch):
+// those rows stream W, a byte of it serving few rows, so each core reads it at the rate of its
+// memory, and more lines in flight than the hardware prefetcher keeps help.
 // Four panels (23 KB of Q4_1 at K = 576) cover the latency from memory at ~25 GB/s a core.
 // The lines go to L2 (the T1 hint), not L1, whose outstanding misses they would fill: one batch-1
 // decode step's products of SmolLM2 (30 layers and the head, out of DRAM, 2 threads, AMD EPYC
 // Zen 4) took 3.98 ms against 5.10 with the T0 hint (three rows of x: 5.04 against 6.78); two
 // and six panels ahead gave the same as four.
 constexpr int64_t kPrefetchPanels = 4;
+// Up to how many rows of x the tiles ask for the panels ahead. Tiles of four rows asked for nothing
+// before; a decode step's products of SmolLM2 (2 threads, Zen 4, benchmarks/product_bandwidth.py)
+// at 4 / 6 / 8 / 12 / 16 / 32 rows of x took 6.3-7.3 / 7.7 / 8.6-9.3 / 14.1-16.5 / 11.8-14.5 /
+// 19.8-23.1 ms, and with the panels asked for by every tile in turn 4.9 / 5.8 / 6.2-6.5 / 7.4-8.1 /
+// 9.6-10.2 / 19.2-20.0 (one row: 3.8-4.5). From 48 rows on, whose tiles compute many times longer
+// than W takes to read, asking for them changed nothing beyond the noise (48 to 128 rows, three
+// interleaved runs).
+constexpr int64_t kPrefetchRows = 32;
 
 // Block b's slice of the PANELS panels kPrefetchPanels after `first` (panels of `pb` bytes): over
 // the nb blocks of a tile, exactly those panels, each line once.
@@ -316,9 +324,13 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     const int64_t n = n0 + v * V::kLanes;
     col[v] = w + n / kPanel * pb + n % kPanel * 4;  // its nibbles; its scales at half the offset
   }
-  // the first tile of few rows over these panels asks for those ahead (the tile of a panel's
-  // first half, for the whole panel); tiles of four rows compute more than they read
-  const bool ahead = MR < V::kRows && m0 == 0 && n0 % kPanel == 0;
+  // Where x has at most kPrefetchRows rows, the tiles of its rows over these panels ask for the
+  // panels ahead (the tile of a panel's first half, for the whole panel), by turns: the tile of
+  // rows m0.. for the blocks b with b % tiles == m0 / kRows, so that the lines are asked for while
+  // every tile computes, not only while the first one reads.
+  const int64_t rows = static_cast<int64_t>(q.dx.size()) / nb, tiles = (rows + V::kRows - 1) / V::kRows;
+  const bool ahead = n0 % kPanel == 0 && rows <= kPrefetchRows;
+  const int64_t turn = m0 / V::kRows;
   constexpr int kPanels = (NV * V::kLanes + kPanel - 1) / kPanel;
   // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
   // where the registers hold them: two and three rows of x take a third less time (AVX-512)
@@ -332,7 +344,7 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     for (int h = 0; h < kSums; ++h)
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < NV; ++v) S[h][m][v] = V::zero();
-    if (ahead) prefetch_ahead<FMT, kPanels>(w + n0 / kPanel * pb, pb, b);
+    if (ahead && b % tiles == turn) prefetch_ahead<FMT, kPanels>(w + n0 / kPanel * pb, pb, b);
     for (int c = 0; c < 4; ++c) {
       // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
