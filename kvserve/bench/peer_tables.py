@@ -103,7 +103,8 @@ def _below_noise(o: dict[str, Any]) -> str:
     """Where the server came out faster than the engine in process (a negative overhead: the two
     runs, minutes apart, differ by more than the server costs), the medians themselves."""
     served, direct = o.get("served", {}), o.get("in_process", {})
-    if not (o["per_request_ms"] < 0 or o["per_token_ms"] < 0) or "ttft_ms" not in served or "ttft_ms" not in direct:
+    negative = o["per_request_ms"] < 0 or o["per_token_ms"] < 0
+    if not negative or "ttft_ms" not in served or "ttft_ms" not in direct:
         return ""
     return (f"; below the noise of the two runs: median TTFT {served['ttft_ms']:,.1f} ms served against "
             f"{direct['ttft_ms']:,.1f} in process, time per output token {served['tpot_ms']:.2f} against "
