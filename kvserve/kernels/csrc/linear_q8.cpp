@@ -97,6 +97,7 @@ inline float half_at(const uint8_t* p) {
 
 // x [M, K] quantized per block: xq [M, K] int8 (x's order), dx, sumq and dx * sumq [M, nb].
 struct QuantizedX {
+  int64_t rows = 0;  // M
   std::vector<int8_t> xq;
   std::vector<float> dx, sx;
   std::vector<int32_t> sumq;
@@ -244,6 +245,7 @@ inline float quantize_block(const float* xb, int8_t* q, int32_t* sumq) {
 QuantizedX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / kBlock;
   QuantizedX q;
+  q.rows = M;
   q.xq.resize(M * K);
   q.dx.resize(M * nb);
   q.sx.resize(M * nb);
@@ -291,13 +293,13 @@ struct Out {
 // Zen 4) took 3.98 ms against 5.10 with the T0 hint (three rows of x: 5.04 against 6.78); two
 // and six panels ahead gave the same as four.
 constexpr int64_t kPrefetchPanels = 4;
-// Up to how many rows of x the tiles ask for the panels ahead. Tiles of four rows asked for nothing
-// before; a decode step's products of SmolLM2 (2 threads, Zen 4, benchmarks/product_bandwidth.py)
-// at 4 / 6 / 8 / 12 / 16 / 32 rows of x took 6.3-7.3 / 7.7 / 8.6-9.3 / 14.1-16.5 / 11.8-14.5 /
-// 19.8-23.1 ms, and with the panels asked for by every tile in turn 4.9 / 5.8 / 6.2-6.5 / 7.4-8.1 /
-// 9.6-10.2 / 19.2-20.0 (one row: 3.8-4.5). From 48 rows on, whose tiles compute many times longer
-// than W takes to read, asking for them changed nothing beyond the noise (48 to 128 rows, three
-// interleaved runs).
+// Up to how many rows of x the tiles ask for the panels ahead. A decode step's products of SmolLM2
+// (2 threads, Zen 4, benchmarks/product_bandwidth.py) at 4 / 6 / 8 / 12 / 16 / 32 rows of x took
+// 6.3-7.3 / 7.7 / 8.6-9.3 / 14.1-16.5 / 11.8-14.5 / 19.8-23.1 ms where only tiles of one to three
+// rows asked, and 4.1-4.9 / 5.8 / 5.6-6.5 / 7.4-8.2 / 9.6-10.8 / 19.2-20.0 with every tile asking
+// in turn (one row: 3.7-4.5). From 48 rows on, whose tiles compute many times longer than W takes
+// to read, asking changed nothing beyond the noise (48 to 128 rows, three interleaved runs); 33 to
+// 47 were not measured. (The AMX build's rows left after its tiles of 16, fewer than 16, ask too.)
 constexpr int64_t kPrefetchRows = 32;
 
 // Block b's slice of the PANELS panels kPrefetchPanels after `first` (panels of `pb` bytes): over
@@ -325,13 +327,13 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     col[v] = w + n / kPanel * pb + n % kPanel * 4;  // its nibbles; its scales at half the offset
   }
   // Where x has at most kPrefetchRows rows, the tiles of its rows over these panels ask for the
-  // panels ahead (the tile of a panel's first half, for the whole panel), by turns: the tile of
-  // rows m0.. for the blocks b with b % tiles == m0 / kRows, so that the lines are asked for while
-  // every tile computes, not only while the first one reads.
-  const int64_t rows = static_cast<int64_t>(q.dx.size()) / nb, tiles = (rows + V::kRows - 1) / V::kRows;
-  const bool ahead = n0 % kPanel == 0 && rows <= kPrefetchRows;
-  const int64_t turn = m0 / V::kRows;
+  // panels ahead (the tile of a panel's first half, for the whole panel; none past W's last
+  // panel), by turns: the tile of rows m0.. for the blocks b with b % tiles == m0 / kRows, so that
+  // the lines are asked for while every tile computes, not only while the first one reads.
   constexpr int kPanels = (NV * V::kLanes + kPanel - 1) / kPanel;
+  const int64_t tiles = (q.rows + V::kRows - 1) / V::kRows, turn = m0 / V::kRows;
+  const bool ahead = n0 % kPanel == 0 && q.rows <= kPrefetchRows &&
+                     n0 / kPanel + kPrefetchPanels + kPanels <= panels(out.N);
   // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
   // where the registers hold them: two and three rows of x take a third less time (AVX-512)
   constexpr bool kSplit = MR * NV <= V::kSplitTiles;
