@@ -244,43 +244,55 @@ inline int64_t silu_mul_avx2(const T* g, const T* u, T* o, int64_t I) {
   return i;
 }
 
+// out [T, I] = silu(g) * u, rows t of g and u at gp + t * lg and up + t * lu.
+template <typename scalar_t>
+void silu_mul_rows(const scalar_t* gp, const scalar_t* up, int64_t lg, int64_t lu, scalar_t* op, int64_t T,
+                   int64_t I) {
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+#if defined(__AVX512F__)
+      if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+        silu_mul_row(gp + t * lg, up + t * lu, op + t * I, I);
+        continue;
+      }
+#endif
+      int64_t i = silu_mul_avx2(gp + t * lg, up + t * lu, op + t * I, I);  // the rest below
+      for (; i < I; ++i) {
+        const float v = static_cast<float>(gp[t * lg + i]);
+        const scalar_t s = static_cast<scalar_t>(v / (1.f + std::exp(-v)));
+        op[t * I + i] = s * up[t * lu + i];
+      }
+    }
+  });
+}
+
 at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
   check_rows(g, "gate");
   check_rows(u, "up");
   TORCH_CHECK(g.dim() == 2 && g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "gate, up [T, I] alike");
-  const int64_t T = g.size(0), I = g.size(1), lg = g.stride(0), lu = u.stride(0);
+  const int64_t T = g.size(0), I = g.size(1);
   auto out = at::empty({T, I}, g.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul", [&] {
-    const scalar_t* gp = g.data_ptr<scalar_t>();
-    const scalar_t* up = u.data_ptr<scalar_t>();
-    scalar_t* op = out.data_ptr<scalar_t>();
-    at::parallel_for(0, T, kRowsPerTask, [&](int64_t begin, int64_t end) {
-      for (int64_t t = begin; t < end; ++t) {
-#if defined(__AVX512F__)
-        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
-          silu_mul_row(gp + t * lg, up + t * lu, op + t * I, I);
-          continue;
-        }
-#endif
-        int64_t i = silu_mul_avx2(gp + t * lg, up + t * lu, op + t * I, I);  // the rest below
-        for (; i < I; ++i) {
-          const float v = static_cast<float>(gp[t * lg + i]);
-          const scalar_t s = static_cast<scalar_t>(v / (1.f + std::exp(-v)));
-          op[t * I + i] = s * up[t * lu + i];
-        }
-      }
-    });
+    silu_mul_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), g.stride(0), u.stride(0),
+                  out.data_ptr<scalar_t>(), T, I);
   });
   return out;
 }
 
 // silu(gate) * up from a fused gate|up product [T, 2 I] (gate the first I columns): one call
-// for what took a split and silu_mul.
+// for what took a split and silu_mul. The halves are read in place, not as two narrowed views
+// (each view a tensor made: 3.9 us a call for one row of SmolLM2's 2 x 1536, against 1.3 for
+// silu_mul of two tensors, from Python).
 at::Tensor silu_mul_halves(at::Tensor gu) {
   check_rows(gu, "gate|up");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate|up [T, 2 I]");
-  const int64_t I = gu.size(1) / 2;
-  return silu_mul(gu.narrow(1, 0, I), gu.narrow(1, I, I));
+  const int64_t T = gu.size(0), I = gu.size(1) / 2;
+  auto out = at::empty({T, I}, gu.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
+    const scalar_t* p = gu.data_ptr<scalar_t>();
+    silu_mul_rows(p, p + I, gu.stride(0), gu.stride(0), out.data_ptr<scalar_t>(), T, I);
+  });
+  return out;
 }
 
 // One token's K or V row (n values, `bytes` bytes) into its slot: copied, or with `round` fp32
