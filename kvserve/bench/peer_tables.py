@@ -4,7 +4,7 @@ decode step goes) and benchmarks/serving_peers.py's (kvserve serve beside llama-
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from kvserve.bench.history import Run, markdown_table, ratio
 
@@ -92,20 +92,21 @@ def serving_tables(run: Run) -> str:
             + "; ".join(f"{k}: `{v}`" for k, v in run["servers"].items()) + "\n\n" + serving_table(run))
     if run.get("overhead"):
         o = run["overhead"]
+        served, direct = o.get("served", {}), o.get("in_process", {})
+        request = _overhead(o["per_request_ms"], 1, "a request", "TTFT", served.get("ttft_ms"),
+                            direct.get("ttft_ms"))
+        token = _overhead(o["per_token_ms"], 2, "a streamed token", "time per output token",
+                          served.get("tpot_ms"), direct.get("tpot_ms"))
         text += (f"\n\nkvserve's server overhead at concurrency 1 against the same tokens through the engine in "
-                 f"process: {o['per_request_ms']:.1f} ms a request, {o['per_token_ms']:.2f} ms a streamed token"
-                 + (f" ({o['cpu_per_token_ms']:.3f} ms of CPU a token)" if "cpu_per_token_ms" in o else "")
-                 + _below_noise(o))
+                 f"process: {request}, {token}"
+                 + (f" ({o['cpu_per_token_ms']:.3f} ms of CPU a token)" if "cpu_per_token_ms" in o else ""))
     return text
 
 
-def _below_noise(o: dict[str, Any]) -> str:
-    """Where the server came out faster than the engine in process (a negative overhead: the two
-    runs, minutes apart, differ by more than the server costs), the medians themselves."""
-    served, direct = o.get("served", {}), o.get("in_process", {})
-    negative = o["per_request_ms"] < 0 or o["per_token_ms"] < 0
-    if not negative or "ttft_ms" not in served or "ttft_ms" not in direct:
-        return ""
-    return (f"; below the noise of the two runs: median TTFT {served['ttft_ms']:,.1f} ms served against "
-            f"{direct['ttft_ms']:,.1f} in process, time per output token {served['tpot_ms']:.2f} against "
-            f"{direct['tpot_ms']:.2f}")
+def _overhead(ms: float, digits: int, per: str, what: str, served: Optional[float],
+              direct: Optional[float]) -> str:
+    """One overhead figure; a negative one (the server faster than the engine in process: the two
+    runs, minutes apart, differ by more than the server costs) as the two runs' medians."""
+    if ms >= 0 or served is None or direct is None:
+        return f"{ms:.{digits}f} ms {per}"
+    return f"none measured {per} (median {what} {served:,.2f} ms served against {direct:,.2f} in process)"
