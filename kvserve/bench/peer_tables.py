@@ -109,4 +109,5 @@ def _overhead(ms: float, digits: int, per: str, what: str, served: Optional[floa
     runs, minutes apart, differ by more than the server costs) as the two runs' medians."""
     if ms >= 0 or served is None or direct is None:
         return f"{ms:.{digits}f} ms {per}"
-    return f"none measured {per} (median {what} {served:,.2f} ms served against {direct:,.2f} in process)"
+    return (f"below the two runs' noise {per} (median {what} {served:,.{digits}f} ms served against "
+            f"{direct:,.{digits}f} in process)")

@@ -95,7 +95,7 @@ def test_serving_table_ratios_and_errors():
     assert "| 4 | kvserve serve | 80.0 | 120 / 300 | 9.5 / 20.0 |  |" in text
     assert "| 4 | llama-server | usage counted 0 of 2048 |" in text
     assert "3.2 ms a request, 0.41 ms a streamed token" in text
-    assert "none measured" not in text
+    assert "noise" not in text
 
 
 def test_serving_overhead_below_the_noise_shows_both_medians():
@@ -107,5 +107,10 @@ def test_serving_overhead_below_the_noise_shows_both_medians():
                         "in_process": {"ttft_ms": 134.84, "tpot_ms": 6.45}}}
     text = serving_tables(run)
     assert "-12.0" not in text
-    assert ("none measured a request (median TTFT 122.80 ms served against 134.84 in process), "
+    assert ("below the two runs' noise a request (median TTFT 122.8 ms served against 134.8 in process), "
             "0.72 ms a streamed token") in text
+    run["overhead"].update(per_token_ms=-0.3)
+    assert ("below the two runs' noise a streamed token (median time per output token 7.17 ms served "
+            "against 6.45 in process)") in serving_tables(run)
+    del run["overhead"]["served"], run["overhead"]["in_process"]  # a run stored without the medians
+    assert "-12.0 ms a request, -0.30 ms a streamed token" in serving_tables(run)

@@ -105,12 +105,19 @@ def test_silu_mul(ops, dtype, width):
         assert (got != want).float().mean() < 0.02
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_halves_is_silu_mul_of_the_two_halves(ops, dtype):
-    gu = (torch.randn(3, 2 * 1536, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
-    assert torch.equal(ops.silu_mul_halves(gu), ops.silu_mul(gu[:, :1536], gu[:, 1536:]))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("width", [1536, 37])
+def test_silu_mul_halves_is_silu_mul_of_the_two_halves(ops, dtype, width):
+    """The halves read in place equal silu_mul of the two views, also where gu's rows lie further
+    apart than its width (a view of a wider tensor) and where the width is no multiple of 16."""
+    wide = (torch.randn(3, 2 * width + 5, generator=torch.Generator().manual_seed(1)) * 4).to(dtype)
+    for gu in (wide[:, :2 * width].contiguous(), wide[:, :2 * width]):
+        got = ops.silu_mul_halves(gu)
+        assert got.shape == (3, width) and got.is_contiguous()
+        assert torch.equal(got, ops.silu_mul(gu[:, :width], gu[:, width:]))
+    assert ops.silu_mul_halves(wide[:0, :2 * width]).shape == (0, width)
     with pytest.raises(RuntimeError, match="gate"):
-        ops.silu_mul_halves(gu[:, :7])
+        ops.silu_mul_halves(wide[:, :7])
 
 
 def test_store_kv(ops):

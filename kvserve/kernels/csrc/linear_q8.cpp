@@ -331,7 +331,7 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
   // panel), by turns: the tile of rows m0.. for the blocks b with b % tiles == m0 / kRows, so that
   // the lines are asked for while every tile computes, not only while the first one reads.
   constexpr int kPanels = (NV * V::kLanes + kPanel - 1) / kPanel;
-  const int64_t tiles = (q.rows + V::kRows - 1) / V::kRows, turn = m0 / V::kRows;
+  const int64_t tiles = std::max<int64_t>(1, (q.rows + V::kRows - 1) / V::kRows), turn = m0 / V::kRows;
   const bool ahead = n0 % kPanel == 0 && q.rows <= kPrefetchRows &&
                      n0 / kPanel + kPrefetchPanels + kPanels <= panels(out.N);
   // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
