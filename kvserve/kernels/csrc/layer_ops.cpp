@@ -266,17 +266,25 @@ void silu_mul_rows(const scalar_t* gp, const scalar_t* up, int64_t lg, int64_t l
   });
 }
 
-at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
-  check_rows(g, "gate");
-  check_rows(u, "up");
-  TORCH_CHECK(g.dim() == 2 && g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(), "gate, up [T, I] alike");
-  const int64_t T = g.size(0), I = g.size(1);
+// silu(g) * u as a new [T, I] tensor, g's rows from element g_at of g, u's from u_at of u (each
+// row at its tensor's row stride): what both entries below compute, on checked operands.
+at::Tensor silu_mul_at(const at::Tensor& g, int64_t g_at, const at::Tensor& u, int64_t u_at, int64_t T,
+                       int64_t I) {
   auto out = at::empty({T, I}, g.options());
+  if (T == 0) return out;  // (an empty tensor's data pointer may be null: no offset from it)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul", [&] {
-    silu_mul_rows(g.data_ptr<scalar_t>(), u.data_ptr<scalar_t>(), g.stride(0), u.stride(0),
+    silu_mul_rows(g.data_ptr<scalar_t>() + g_at, u.data_ptr<scalar_t>() + u_at, g.stride(0), u.stride(0),
                   out.data_ptr<scalar_t>(), T, I);
   });
   return out;
+}
+
+at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
+  check_rows(g, "gate");
+  check_rows(u, "up");
+  TORCH_CHECK(g.dim() == 2 && g.sizes() == u.sizes() && g.scalar_type() == u.scalar_type(),
+              "gate, up [T, I] alike");
+  return silu_mul_at(g, 0, u, 0, g.size(0), g.size(1));
 }
 
 // silu(gate) * up from a fused gate|up product [T, 2 I] (gate the first I columns): one call
@@ -286,14 +294,8 @@ at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
 at::Tensor silu_mul_halves(at::Tensor gu) {
   check_rows(gu, "gate|up");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate|up [T, 2 I]");
-  const int64_t T = gu.size(0), I = gu.size(1) / 2;
-  auto out = at::empty({T, I}, gu.options());
-  if (T == 0) return out;  // (an empty tensor's data pointer may be null: no offset from it)
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gu.scalar_type(), "silu_mul", [&] {
-    const scalar_t* p = gu.data_ptr<scalar_t>();
-    silu_mul_rows(p, p + I, gu.stride(0), gu.stride(0), out.data_ptr<scalar_t>(), T, I);
-  });
-  return out;
+  const int64_t I = gu.size(1) / 2;
+  return silu_mul_at(gu, 0, gu, I, gu.size(0), I);
 }
 
 // One token's K or V row (n values, `bytes` bytes) into its slot: copied, or with `round` fp32
