@@ -243,22 +243,28 @@ def test_bf16_tiles_round_as_torch(fmt):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("fmt", FMTS)
-def test_two_threads_give_the_products_of_one(isa, fmt):
-    """The runs of W rows split over threads, tiles of one to four rows and the panels asked for
-    ahead change nothing: 2 threads give 1 thread's products bit for bit, for a last panel of
-    fewer than 16 rows, an odd number of panels, and 1 to 9 rows (each remainder of four)."""
+def test_threads_give_the_products_of_one(isa, fmt):
+    """The runs of W rows split over threads (each its share, then the runs left in the others'
+    as it finishes), tiles of one to four rows and the panels asked for ahead change nothing: 2,
+    3 and 5 threads give 1 thread's products bit for bit, call after call, for a last panel of
+    fewer than 16 rows, an odd number of panels, 1 to 9 rows (each remainder of four) and 17 (the
+    split by single runs). More threads than this machine's cores take the runs left in each
+    other's shares often: a run taken twice or by no thread would show (y starts uninitialized)."""
     kernel = compiled_kernel("linear_q8", isa)
     g = torch.Generator().manual_seed(5)
     for n, k in [(1000, 576), (960, 96), (17, 1536)]:
         p = packed(n, k, fmt, seed=n)
         panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
-        for m in range(1, 10):
+        for m in [*range(1, 10), 17]:
             x = torch.randn(m, k, generator=g)
-            ys = []
-            for threads in (1, 2):
+            with torch_threads(1):
+                one = kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None)
+            for threads in (2, 3, 5):
                 with torch_threads(threads):
-                    ys.append(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None))
-            assert torch.equal(ys[0], ys[1]), (n, k, m)
+                    for _ in range(3):
+                        torch.full_like(one, float("nan"))  # freed at once: NaNs where y is likely to go
+                        assert torch.equal(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None), one), (
+                            n, k, m, threads)
 
 
 @pytest.mark.parametrize("isa", ISAS)

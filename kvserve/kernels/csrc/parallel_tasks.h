@@ -1,14 +1,25 @@
-// Tasks of unequal cost split over the threads by their costs, not by their count: the attention
+// Splits of a range of tasks over the threads that a static split (at::parallel_for: as many
+// tasks a thread) would leave unequal.
+//
+// parallel_by_cost: tasks of unequal cost split by their costs, not by their count: the attention
 // kernels' tasks read a context, or part of one, and a batch's contexts differ in length. A
-// static split of the task range (at::parallel_for) gives each thread as many tasks, and where the
-// long contexts sit together (a server's batch in the order its requests came, the oldest
-// longest) one thread reads most of the cache while the other waits.
+// static split of the task range gives each thread as many tasks, and where the long contexts sit
+// together (a server's batch in the order its requests came, the oldest longest) one thread reads
+// most of the cache while the other waits.
+//
+// parallel_stealing: tasks of equal cost whose threads do not run at equal speed: a product's
+// runs of weight rows, each read from memory, where one core's reads come in slower than the
+// other's for a while, or the OS takes a core for a moment. Each thread takes its static range
+// from the front and then the others' from their backs, one task at a time, so that all finish
+// within about a task of each other.
 #pragma once
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace kvserve {
@@ -36,6 +47,54 @@ void parallel_by_cost(int64_t n, const Cost& cost, const Body& body) {
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       if (start[t] < start[t + 1]) body(start[t], start[t + 1]);
+  });
+}
+
+// What is left of a thread's range: next (the low 32 bits) up to end (the high 32), claimed one
+// task at a time from the front by its thread and from the back by the others; a line each, so
+// that a thread's claims do not contend with another range's.
+struct alignas(64) TaskSpan {
+  std::atomic<uint64_t> left;
+  static uint64_t pack(int64_t next, int64_t end) { return static_cast<uint64_t>(next) | static_cast<uint64_t>(end) << 32; }
+  static int64_t next(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
+  static int64_t end(uint64_t v) { return static_cast<int64_t>(v >> 32); }
+  // The task taken from the front (from_back false) or the back, or -1 where none is left.
+  int64_t take(bool from_back) {
+    uint64_t v = left.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t n = next(v), e = end(v);
+      if (n >= e) return -1;
+      if (left.compare_exchange_weak(v, from_back ? pack(n, e - 1) : pack(n + 1, e), std::memory_order_relaxed))
+        return from_back ? e - 1 : n;
+    }
+  }
+};
+
+// body(i) for every task i in [0, n) exactly once: thread t's range is what at::parallel_for(0,
+// n, grain) would give it (contiguous, as many tasks a thread, no more threads than n / grain);
+// it runs its own from the front, then takes tasks from the back of the others' until none is
+// left. Which thread runs a task changes nothing a task computes; the tasks' writes are seen
+// after the call (the parallel region's end orders them).
+template <typename Body>
+void parallel_stealing(int64_t n, int64_t grain, const Body& body) {
+  if (n <= 0) return;
+  TORCH_CHECK(n < (int64_t(1) << 31), "parallel_stealing takes fewer than 2^31 tasks, not ", n);
+  grain = std::max<int64_t>(1, grain);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
+  if (threads == 1 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  const int64_t chunk = (n + threads - 1) / threads;
+  std::unique_ptr<TaskSpan[]> spans(new TaskSpan[threads]);
+  for (int64_t t = 0; t < threads; ++t)
+    spans[t].left.store(TaskSpan::pack(std::min(n, t * chunk), std::min(n, (t + 1) * chunk)), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (int64_t i; (i = spans[t].take(false)) >= 0;) body(i);
+      for (int64_t k = 1; k < threads; ++k)
+        for (int64_t i; (i = spans[(t + k) % threads].take(true)) >= 0;) body(i);
+    }
   });
 }
 
