@@ -30,26 +30,38 @@ calls' timers, a few hundred nanoseconds a call (about 1% of a step).
     .venv/bin/python benchmarks/product_bandwidth.py [--threads 1 2] [--rows 1 2 4 8] [--reps 7]
 
 Writes benchmarks/results/product_bandwidth.json.
+
+`--against DIR` instead compares this tree's linear_q8 with another build of it (DIR: a copy of
+kvserve/kernels/built saved before a change): passes of a decode step's products through the
+two by turns, the order swapped every pair (`--pairs`), on the same inputs; per product and for
+the pass, each build's median and the median of the pairs' ratios, and whether the two builds'
+outputs are equal. Pairs a few milliseconds apart share the machine's hour, which whole runs
+minutes apart do not. Writes benchmarks/results/product_bandwidth_against.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
+import importlib.util
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from kvserve import kernels  # noqa: E402
+from kvserve.bench.machine import machine_kind, parse_cpuinfo  # noqa: E402
+from kvserve.kernels import levels  # noqa: E402
 from kvserve.models.loaders.gguf_file import GGUFFile  # noqa: E402
 from kvserve.models.registry import default_model_path  # noqa: E402
 
 RESULT = Path(__file__).parent / "results" / "product_bandwidth.json"
+AGAINST_RESULT = Path(__file__).parent / "results" / "product_bandwidth_against.json"
 # the model's products: the GGUF tensors each fuses (rows stacked), per layer
 LAYER_PRODUCTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
@@ -101,14 +113,19 @@ def _seconds(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t
 
 
-def step_calls(kernel_name: str, module: Any, products: list[Product], xs: dict[int, torch.Tensor]
-               ) -> list[tuple[str, Callable[[], Any]]]:
+def step_calls(kernel_name: str, module: Any, products: list[Product], xs: dict[int, torch.Tensor],
+               packed: Optional[dict[int, torch.Tensor]] = None) -> list[tuple[str, Callable[[], Any]]]:
     """A decode step's products in its order through a kernel (its weights in that kernel's
-    layout): each layer's products in turn, then the head; (product, call) pairs."""
+    layout): each layer's products in turn, then the head; (product, call) pairs. linear_q8's
+    panels are kept in `packed` (by the GGUF rows' id) where given, and taken from it when there."""
     def call(p: Product, w: torch.Tensor) -> Callable[[], Any]:
         x = xs[p.k]
         if kernel_name == "linear_q8":
-            panels = module.pack_panels(w, p.ggml_type, p.k)
+            panels = packed.get(id(w)) if packed is not None else None
+            if panels is None:
+                panels = module.pack_panels(w, p.ggml_type, p.k)
+                if packed is not None:
+                    packed[id(w)] = panels
             return lambda: module.linear_q8(x, panels, p.ggml_type, p.k, p.n, None)
         return lambda: module.linear_quant(x, w, p.ggml_type, p.k, None)
 
@@ -195,6 +212,75 @@ def decode_tokens_per_s(threads: int, tokens: int, repeats: int) -> dict[str, fl
     return out
 
 
+def build_in(directory: str, name: str) -> Any:
+    """Kernel `name`'s module at this CPU's best level from another build's directory, loaded
+    beside this tree's (a module of the same name from another file)."""
+    module = levels.module_name(name, kernels.best_isa(name))
+    found = sorted(Path(directory).glob(f"{module}.*.so"))
+    if not found:
+        raise SystemExit(f"--against {directory}: no {module}.*.so there")
+    loader = importlib.machinery.ExtensionFileLoader(module, str(found[0]))
+    spec = importlib.util.spec_from_loader(module, loader)
+    built = importlib.util.module_from_spec(spec)
+    loader.exec_module(built)
+    return built
+
+
+def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pairs: int) -> dict[str, Any]:
+    """Passes of a decode step's products through each build of linear_q8 by turns (the order
+    swapped every pair): each build's median microseconds and the median of the pairs' ratios
+    (the second build over the first), per product and for the pass."""
+    g = torch.Generator().manual_seed(0)
+    xs = {p.k: torch.randn(rows, p.k, generator=g) for p in products}
+    # the same panels for both: two copies of the weights could lie on pages of unequal cost (huge
+    # pages or not), which would weigh on one build's every pass
+    packed: dict[int, torch.Tensor] = {}
+    passes = {k: step_calls("linear_q8", m, products, xs, packed) for k, m in builds.items()}
+    first, second = builds
+    equal = all(torch.equal(f(), h()) for (_, f), (_, h) in zip(passes[first], passes[second]))
+    spent: dict[str, dict[str, list[float]]] = {k: {} for k in builds}
+    for i in range(pairs):
+        for k in (builds if i % 2 == 0 else list(builds)[::-1]):
+            per: dict[str, float] = {}
+            start = time.perf_counter()
+            for name, fn in passes[k]:
+                t = time.perf_counter()
+                fn()
+                per[name] = per.get(name, 0.0) + time.perf_counter() - t
+            per["pass"] = time.perf_counter() - start
+            for name, s in per.items():
+                spent[k].setdefault(name, []).append(s * 1e6)
+    return {"rows": rows, "outputs_equal": equal, "parts": {
+        name: {first: round(statistics.median(spent[first][name]), 1),
+               second: round(statistics.median(spent[second][name]), 1),
+               "ratio": round(statistics.median(b / a for a, b in zip(spent[first][name], spent[second][name])), 4)}
+        for name in spent[first]}}
+
+
+def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> None:
+    builds = {"other": build_in(directory, "linear_q8"), "this": kernels.load("linear_q8")}
+    if builds["this"] is None:
+        raise SystemExit(f"linear_q8 is not built here ({kernels.failure('linear_q8')})")
+    products = model_products(default_model_path())
+    runs = []
+    for t in threads:
+        torch.set_num_threads(t)
+        for r in rows:
+            run = {"threads": t, **paired_passes(products, builds, r, pairs)}
+            runs.append(run)
+            parts = run["parts"]
+            print(f"{t} thread(s), {r} row(s): a pass {parts['pass']['other']:.0f} us there, {parts['pass']['this']:.0f} "
+                  f"here: paired ratio {parts['pass']['ratio']:.3f} (" + ", ".join(
+                      f"{n} {v['ratio']:.3f}" for n, v in parts.items() if n != "pass")
+                  + f"); outputs {'equal' if run['outputs_equal'] else 'DIFFER'}", flush=True)
+    AGAINST_RESULT.parent.mkdir(parents=True, exist_ok=True)
+    AGAINST_RESULT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
+                                          "machine": machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text())),
+                                          "level": builds["this"].isa(), "other": str(directory), "pairs": pairs,
+                                          "runs": runs}, indent=1) + "\n")
+    print(f"wrote {AGAINST_RESULT}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -202,7 +288,11 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=3)
+    p.add_argument("--against", metavar="DIR", help="compare linear_q8 with the build in DIR (see above)")
+    p.add_argument("--pairs", type=int, default=30, help="pairs of passes for --against")
     a = p.parse_args()
+    if a.against:
+        return against(a.against, a.threads, a.rows, a.pairs)
     modules = {k: kernels.load(k) for k in KERNELS}
     missing = [k for k, m in modules.items() if m is None]
     if missing:

@@ -471,9 +471,10 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   const int64_t grain = M <= 8 ? 4 : 1;
   // Units taken by the threads as they finish (parallel_stealing), not a fixed share each: with
   // fixed shares the two threads of a batch-1 decode step's calls ended 1.1-3.8 us apart on
-  // average (53 us for the head). A decode step's products of SmolLM2 (2 threads, AMD EPYC Zen 4,
-  // in the step's order, each pass paired with one of the fixed split; outputs equal) took 1.4%
-  // less time at 1 row of x, 2.5% at 4, 3.9% at 8, 2.6% at 16, 3.6% at 64 and 2.2% at 512.
+  // average (53 us for the head). A decode step's products of SmolLM2 against the fixed split
+  // (2 threads, AMD EPYC Zen 4, `benchmarks/product_bandwidth.py --against`, each run the median
+  // of 20-30 paired passes; outputs equal), time over the fixed split's: 1 row of x 0.93-1.01 in
+  // seven runs (median 0.99), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows 0.93-1.00 (four each).
   kvserve::parallel_stealing(units, grain, [&](int64_t u) {
     const int64_t v0 = u * kUnit;
     if (v0 + kUnit <= vectors) {
