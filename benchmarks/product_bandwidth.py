@@ -253,7 +253,8 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
     return {"rows": rows, "outputs_equal": equal, "parts": {
         name: {first: round(statistics.median(spent[first][name]), 1),
                second: round(statistics.median(spent[second][name]), 1),
-               "ratio": round(statistics.median(b / a for a, b in zip(spent[first][name], spent[second][name])), 4)}
+               "ratio": round(statistics.median(b / a for a, b in zip(spent[first][name], spent[second][name])),
+                              4)}
         for name in spent[first]}}
 
 
@@ -269,15 +270,15 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
             run = {"threads": t, **paired_passes(products, builds, r, pairs)}
             runs.append(run)
             parts = run["parts"]
-            print(f"{t} thread(s), {r} row(s): a pass {parts['pass']['other']:.0f} us there, {parts['pass']['this']:.0f} "
-                  f"here: paired ratio {parts['pass']['ratio']:.3f} (" + ", ".join(
+            print(f"{t} thread(s), {r} row(s): a pass {parts['pass']['other']:.0f} us there, "
+                  f"{parts['pass']['this']:.0f} here: paired ratio {parts['pass']['ratio']:.3f} (" + ", ".join(
                       f"{n} {v['ratio']:.3f}" for n, v in parts.items() if n != "pass")
                   + f"); outputs {'equal' if run['outputs_equal'] else 'DIFFER'}", flush=True)
     AGAINST_RESULT.parent.mkdir(parents=True, exist_ok=True)
-    AGAINST_RESULT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
-                                          "machine": machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text())),
-                                          "level": builds["this"].isa(), "other": str(directory), "pairs": pairs,
-                                          "runs": runs}, indent=1) + "\n")
+    machine = machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text()))
+    AGAINST_RESULT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)", "machine": machine,
+                                          "level": builds["this"].isa(), "other": str(directory),
+                                          "pairs": pairs, "runs": runs}, indent=1) + "\n")
     print(f"wrote {AGAINST_RESULT}")
 
 
