@@ -250,12 +250,11 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
             per["pass"] = time.perf_counter() - start
             for name, s in per.items():
                 spent[k].setdefault(name, []).append(s * 1e6)
-    return {"rows": rows, "outputs_equal": equal, "parts": {
-        name: {first: round(statistics.median(spent[first][name]), 1),
-               second: round(statistics.median(spent[second][name]), 1),
-               "ratio": round(statistics.median(b / a for a, b in zip(spent[first][name], spent[second][name])),
-                              4)}
-        for name in spent[first]}}
+    def part(a: list[float], b: list[float]) -> dict[str, float]:
+        return {first: round(statistics.median(a), 1), second: round(statistics.median(b), 1),
+                "ratio": round(statistics.median(y / x for x, y in zip(a, b)), 4)}
+    return {"rows": rows, "outputs_equal": equal,
+            "parts": {name: part(spent[first][name], spent[second][name]) for name in spent[first]}}
 
 
 def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> None:
@@ -270,15 +269,16 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
             run = {"threads": t, **paired_passes(products, builds, r, pairs)}
             runs.append(run)
             parts = run["parts"]
-            print(f"{t} thread(s), {r} row(s): a pass {parts['pass']['other']:.0f} us there, "
-                  f"{parts['pass']['this']:.0f} here: paired ratio {parts['pass']['ratio']:.3f} (" + ", ".join(
-                      f"{n} {v['ratio']:.3f}" for n, v in parts.items() if n != "pass")
-                  + f"); outputs {'equal' if run['outputs_equal'] else 'DIFFER'}", flush=True)
+            whole = parts["pass"]
+            each = ", ".join(f"{n} {v['ratio']:.3f}" for n, v in parts.items() if n != "pass")
+            equal = "equal" if run["outputs_equal"] else "DIFFER"
+            print(f"{t} thread(s), {r} row(s): a pass {whole['other']:.0f} us there, {whole['this']:.0f} "
+                  f"here: paired ratio {whole['ratio']:.3f} ({each}); outputs {equal}", flush=True)
     AGAINST_RESULT.parent.mkdir(parents=True, exist_ok=True)
     machine = machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text()))
-    AGAINST_RESULT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)", "machine": machine,
-                                          "level": builds["this"].isa(), "other": str(directory),
-                                          "pairs": pairs, "runs": runs}, indent=1) + "\n")
+    stored = {"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)", "machine": machine,
+              "level": builds["this"].isa(), "other": str(directory), "pairs": pairs, "runs": runs}
+    AGAINST_RESULT.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"wrote {AGAINST_RESULT}")
 
 
