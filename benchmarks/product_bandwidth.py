@@ -232,8 +232,11 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
     (the second build over the first), per product and for the pass."""
     g = torch.Generator().manual_seed(0)
     xs = {p.k: torch.randn(rows, p.k, generator=g) for p in products}
-    # the same panels for both: two copies of the weights could lie on pages of unequal cost (huge
-    # pages or not), which would weigh on one build's every pass
+    # the same panels for both (two copies of the weights could lie on pages of unequal cost, which
+    # would weigh on one build's every pass): the builds must lay W out alike
+    w = products[0].weights[0]
+    if not torch.equal(*(m.pack_panels(w, products[0].ggml_type, products[0].k) for m in builds.values())):
+        raise SystemExit("the two builds lay out the panels differently; --against compares two alike")
     packed: dict[int, torch.Tensor] = {}
     passes = {k: step_calls("linear_q8", m, products, xs, packed) for k, m in builds.items()}
     first, second = builds
@@ -250,11 +253,15 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
             per["pass"] = time.perf_counter() - start
             for name, s in per.items():
                 spent[k].setdefault(name, []).append(s * 1e6)
-    def part(a: list[float], b: list[float]) -> dict[str, float]:
-        return {first: round(statistics.median(a), 1), second: round(statistics.median(b), 1),
-                "ratio": round(statistics.median(y / x for x, y in zip(a, b)), 4)}
     return {"rows": rows, "outputs_equal": equal,
-            "parts": {name: part(spent[first][name], spent[second][name]) for name in spent[first]}}
+            "parts": {name: paired_figures(first, spent[first][name], second, spent[second][name])
+                      for name in spent[first]}}
+
+
+def paired_figures(first: str, a: list[float], second: str, b: list[float]) -> dict[str, float]:
+    """Two builds' microseconds, pair by pair: each one's median and the median of b / a."""
+    return {first: round(statistics.median(a), 1), second: round(statistics.median(b), 1),
+            "ratio": round(statistics.median(y / x for x, y in zip(a, b)), 4)}
 
 
 def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> None:
@@ -277,7 +284,7 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
     AGAINST_RESULT.parent.mkdir(parents=True, exist_ok=True)
     machine = machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text()))
     stored = {"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)", "machine": machine,
-              "level": builds["this"].isa(), "other": str(directory), "pairs": pairs, "runs": runs}
+              "level": builds["this"].isa(), "other": Path(directory).name, "pairs": pairs, "runs": runs}
     AGAINST_RESULT.write_text(json.dumps(stored, indent=1) + "\n")
     print(f"wrote {AGAINST_RESULT}")
 
@@ -293,7 +300,8 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=30, help="pairs of passes for --against")
     a = p.parse_args()
     if a.against:
-        return against(a.against, a.threads, a.rows, a.pairs)
+        against(a.against, a.threads, a.rows, a.pairs)
+        return
     modules = {k: kernels.load(k) for k in KERNELS}
     missing = [k for k, m in modules.items() if m is None]
     if missing:

@@ -248,8 +248,8 @@ def test_threads_give_the_products_of_one(isa, fmt):
     as it finishes), tiles of one to four rows and the panels asked for ahead change nothing: 2,
     3 and 5 threads give 1 thread's products bit for bit, call after call, for a last panel of
     fewer than 16 rows, an odd number of panels, 1 to 9 rows (each remainder of four) and 17 (the
-    split by single runs). More threads than this machine's cores take the runs left in each
-    other's shares often: a run taken twice or by no thread would show (y starts uninitialized)."""
+    split by single runs). A run no thread took would show as the NaNs freed just before (y is
+    uninitialized); one taken twice writes the same values, which the next test catches."""
     kernel = compiled_kernel("linear_q8", isa)
     g = torch.Generator().manual_seed(5)
     for n, k in [(1000, 576), (960, 96), (17, 1536)]:
@@ -265,6 +265,25 @@ def test_threads_give_the_products_of_one(isa, fmt):
                         torch.full_like(one, float("nan"))  # freed at once: NaNs where y is likely to go
                         assert torch.equal(kernel.linear_q8(x, panels, p.fmt.ggml_type, k, n, None), one), (
                             n, k, m, threads)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_stealing_runs_every_task_once(isa):
+    """parallel_stealing (kernels/csrc/parallel_tasks.h), the split linear_q8's threads take their
+    runs of W rows by, runs every task exactly once: task counts below, at and past the threads'
+    ranges, grains of 1 to 7, 1 to 5 threads; and where the first range's tasks are slow (1 ms
+    each), the second thread takes some of them."""
+    kernel = compiled_kernel("linear_q8", isa)
+    for threads in (1, 2, 3, 5):
+        with torch_threads(threads):
+            for n in (0, 1, 2, 3, 5, 8, 17, 64, 1000):
+                for grain in (1, 3, 4, 7):
+                    runs, _ = kernel.stealing_runs(n, grain, 0.0)
+                    assert torch.equal(runs, torch.ones(n, dtype=torch.long)), (threads, n, grain)
+    with torch_threads(2):
+        runs, elsewhere = kernel.stealing_runs(64, 1, 1000.0)
+    assert torch.equal(runs, torch.ones(64, dtype=torch.long))
+    assert 0 < elsewhere.item() < 32  # some of the first range's 32, never all: its own thread runs one
 
 
 @pytest.mark.parametrize("isa", ISAS)

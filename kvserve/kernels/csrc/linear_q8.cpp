@@ -65,6 +65,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -471,10 +473,12 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   const int64_t grain = M <= 8 ? 4 : 1;
   // Units taken by the threads as they finish (parallel_stealing), not a fixed share each: with
   // fixed shares the two threads of a batch-1 decode step's calls ended 1.1-3.8 us apart on
-  // average (53 us for the head). A decode step's products of SmolLM2 against the fixed split
-  // (2 threads, AMD EPYC Zen 4, `benchmarks/product_bandwidth.py --against`, each run the median
-  // of 20-30 paired passes; outputs equal), time over the fixed split's: 1 row of x 0.93-1.01 in
-  // seven runs (median 0.99), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows 0.93-1.00 (four each).
+  // average (53 us for the head; timestamps at each thread's end, a build instrumented for it).
+  // A decode step's products of SmolLM2 against the fixed split (2 threads, AMD EPYC Zen 4,
+  // `benchmarks/product_bandwidth.py --against`, each run the median of 20-30 paired passes;
+  // outputs equal), time over the fixed split's: 1 row of x 0.93-1.01 in eight runs (median
+  // 0.99: about 1%, within one run's noise), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows
+  // 0.93-1.00 (five runs each), 512 rows 0.98 (one).
   kvserve::parallel_stealing(units, grain, [&](int64_t u) {
     const int64_t v0 = u * kUnit;
     if (v0 + kUnit <= vectors) {
@@ -1108,6 +1112,36 @@ pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, in
   return kvserve::to_capsule<kvserve::RowsOp>(std::make_unique<BoundPanels>(w, fmt, K, N, bias));
 }
 
+// For the tests of parallel_stealing (parallel_tasks.h), which this kernel's threads split by:
+// over n tasks of the grain, how many times each ran [n], and how many ran on a thread other than
+// the one whose range held it; the tasks of the first thread's range each take `slow_us`
+// microseconds (spinning), so that the others take some of them.
+std::vector<at::Tensor> stealing_runs(int64_t n, int64_t grain, double slow_us) {
+  TORCH_CHECK(n >= 0 && grain >= 1 && slow_us >= 0, "n >= 0, grain >= 1 and slow_us >= 0");
+  std::unique_ptr<std::atomic<int64_t>[]> runs(new std::atomic<int64_t>[std::max<int64_t>(n, 1)]());
+  std::unique_ptr<std::atomic<int64_t>[]> by(new std::atomic<int64_t>[std::max<int64_t>(n, 1)]());
+  const int64_t most = n / grain + (n % grain != 0);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+  const int64_t chunk = std::max<int64_t>(1, (n + threads - 1) / threads);
+  kvserve::parallel_stealing(n, grain, [&](int64_t i) {
+    if (i < chunk) {
+      const auto slow = std::chrono::duration<double, std::micro>(slow_us);
+      const auto until = std::chrono::steady_clock::now() + slow;
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    }
+    runs[i].fetch_add(1, std::memory_order_relaxed);
+    by[i].store(at::get_thread_num(), std::memory_order_relaxed);
+  });
+  auto counts = at::zeros({n}, at::kLong);
+  int64_t elsewhere = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    counts.data_ptr<int64_t>()[i] = runs[i].load();
+    elsewhere += threads > 1 && by[i].load() != i / chunk;
+  }
+  return {counts, at::scalar_tensor(elsewhere, at::kLong)};
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -1121,5 +1155,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_bf16_tiles", &linear_bf16_tiles,
         "fp32 bf16(x) @ bf16(W)^T (+ bias), W in panels of N Q4_0 / Q4_1 / Q8_0 rows dequantized to bf16 at each call");
 #endif
+  m.def("stealing_runs", &stealing_runs,
+        "for the tests: parallel_stealing's runs of each of n tasks, and how many ran off their range's thread");
   m.def("rows_op", &rows_op, "linear_q8 with its operands bound, as a kvserve.RowsOp capsule (kernel_ops.h)");
 }

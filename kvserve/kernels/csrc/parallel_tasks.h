@@ -55,46 +55,55 @@ void parallel_by_cost(int64_t n, const Cost& cost, const Body& body) {
 // that a thread's claims do not contend with another range's.
 struct alignas(64) TaskSpan {
   std::atomic<uint64_t> left;
-  static uint64_t pack(int64_t next, int64_t end) { return static_cast<uint64_t>(next) | static_cast<uint64_t>(end) << 32; }
-  static int64_t next(uint64_t v) { return static_cast<int64_t>(v & 0xffffffffu); }
-  static int64_t end(uint64_t v) { return static_cast<int64_t>(v >> 32); }
-  // The task taken from the front (from_back false) or the back, or -1 where none is left.
-  int64_t take(bool from_back) {
+  static uint64_t pack(int64_t first, int64_t last) {
+    return static_cast<uint64_t>(first) | static_cast<uint64_t>(last) << 32;
+  }
+  // Takes the first task left (from_back false) or the last into `task`; false where none is left.
+  bool take(bool from_back, int64_t& task) {
     uint64_t v = left.load(std::memory_order_relaxed);
     for (;;) {
-      const int64_t n = next(v), e = end(v);
-      if (n >= e) return -1;
-      if (left.compare_exchange_weak(v, from_back ? pack(n, e - 1) : pack(n + 1, e), std::memory_order_relaxed))
-        return from_back ? e - 1 : n;
+      const int64_t first = static_cast<int64_t>(v & 0xffffffffu), last = static_cast<int64_t>(v >> 32);
+      if (first >= last) return false;
+      const uint64_t after = from_back ? pack(first, last - 1) : pack(first + 1, last);
+      if (left.compare_exchange_weak(v, after, std::memory_order_relaxed)) {
+        task = from_back ? last - 1 : first;
+        return true;
+      }
     }
   }
 };
 
 // body(i) for every task i in [0, n) exactly once: thread t's range is what at::parallel_for(0,
-// n, grain) would give it (contiguous, as many tasks a thread, no more threads than n / grain);
-// it runs its own from the front, then takes tasks from the back of the others' until none is
-// left. Which thread runs a task changes nothing a task computes; the tasks' writes are seen
-// after the call (the parallel region's end orders them).
+// n, grain) would give it (contiguous, as many tasks a thread, at most ceil(n / grain) threads);
+// each thread runs its own range from the front, then takes tasks from the back of the others'
+// until none is left. Which thread runs a task changes nothing a task computes; the tasks' writes
+// are seen after the call (the parallel region's end orders them). Run on one thread (or inside a
+// parallel region) the tasks run in order, under a ParallelGuard as at::parallel_for's own.
 template <typename Body>
 void parallel_stealing(int64_t n, int64_t grain, const Body& body) {
   if (n <= 0) return;
   TORCH_CHECK(n < (int64_t(1) << 31), "parallel_stealing takes fewer than 2^31 tasks, not ", n);
   grain = std::max<int64_t>(1, grain);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), (n + grain - 1) / grain));
+  const int64_t most = n / grain + (n % grain != 0);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
   if (threads == 1 || at::in_parallel_region()) {
+    c10::ParallelGuard guard(true);
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
   const int64_t chunk = (n + threads - 1) / threads;
   std::unique_ptr<TaskSpan[]> spans(new TaskSpan[threads]);
-  for (int64_t t = 0; t < threads; ++t)
-    spans[t].left.store(TaskSpan::pack(std::min(n, t * chunk), std::min(n, (t + 1) * chunk)), std::memory_order_relaxed);
+  for (int64_t t = 0; t < threads; ++t) {
+    const uint64_t range = TaskSpan::pack(std::min(n, t * chunk), std::min(n, (t + 1) * chunk));
+    spans[t].left.store(range, std::memory_order_relaxed);
+  }
+  // A thread given several ranges (fewer threads launched than asked for) runs each from the front.
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; ++t) {
-      for (int64_t i; (i = spans[t].take(false)) >= 0;) body(i);
-      for (int64_t k = 1; k < threads; ++k)
-        for (int64_t i; (i = spans[(t + k) % threads].take(true)) >= 0;) body(i);
-    }
+    int64_t i;
+    for (int64_t t = t0; t < t1; ++t)
+      while (spans[t].take(false, i)) body(i);
+    for (int64_t k = 1; k < threads; ++k)
+      while (spans[(t0 + k) % threads].take(true, i)) body(i);
   });
 }
 
