@@ -233,10 +233,7 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
     g = torch.Generator().manual_seed(0)
     xs = {p.k: torch.randn(rows, p.k, generator=g) for p in products}
     # the same panels for both (two copies of the weights could lie on pages of unequal cost, which
-    # would weigh on one build's every pass): the builds must lay W out alike
-    w = products[0].weights[0]
-    if not torch.equal(*(m.pack_panels(w, products[0].ggml_type, products[0].k) for m in builds.values())):
-        raise SystemExit("the two builds lay out the panels differently; --against compares two alike")
+    # would weigh on one build's every pass; against() checks the builds lay W out alike)
     packed: dict[int, torch.Tensor] = {}
     passes = {k: step_calls("linear_q8", m, products, xs, packed) for k, m in builds.items()}
     first, second = builds
@@ -269,6 +266,10 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
     if builds["this"] is None:
         raise SystemExit(f"linear_q8 is not built here ({kernels.failure('linear_q8')})")
     products = model_products(default_model_path())
+    for p in {p.ggml_type: p for p in products}.values():  # one weight of each format
+        if not torch.equal(*(m.pack_panels(p.weights[0], p.ggml_type, p.k) for m in builds.values())):
+            raise SystemExit(f"the two builds lay out type {p.ggml_type}'s panels differently; "
+                             "--against compares two alike")
     runs = []
     for t in threads:
         torch.set_num_threads(t)
