@@ -1156,6 +1156,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "fp32 bf16(x) @ bf16(W)^T (+ bias), W in panels of N Q4_0 / Q4_1 / Q8_0 rows dequantized to bf16 at each call");
 #endif
   m.def("stealing_runs", &stealing_runs,
-        "for the tests: parallel_stealing's runs of each of n tasks, and how many ran off their range's thread");
+        "for the tests: each task's runs under parallel_stealing, and how many ran off their range's thread");
   m.def("rows_op", &rows_op, "linear_q8 with its operands bound, as a kvserve.RowsOp capsule (kernel_ops.h)");
 }
