@@ -476,9 +476,9 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   // average (53 us for the head; timestamps at each thread's end, a build instrumented for it).
   // A decode step's products of SmolLM2 against the fixed split (2 threads, AMD EPYC Zen 4,
   // `benchmarks/product_bandwidth.py --against`, each run the median of 20-30 paired passes;
-  // outputs equal), time over the fixed split's: 1 row of x 0.93-1.01 in eight runs (median
-  // 0.99: about 1%, within one run's noise), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows
-  // 0.93-1.00 (five runs each), 512 rows 0.98 (one).
+  // outputs equal), time over the fixed split's: 1 row of x 0.93-1.02 in nine runs (median
+  // 0.99: within one run's noise), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows 0.93-1.00
+  // (six runs each), 512 rows 0.98 (one).
   kvserve::parallel_stealing(units, grain, [&](int64_t u) {
     const int64_t v0 = u * kUnit;
     if (v0 + kUnit <= vectors) {
