@@ -1120,9 +1120,8 @@ std::vector<at::Tensor> stealing_runs(int64_t n, int64_t grain, double slow_us) 
   TORCH_CHECK(n >= 0 && grain >= 1 && slow_us >= 0, "n >= 0, grain >= 1 and slow_us >= 0");
   std::unique_ptr<std::atomic<int64_t>[]> runs(new std::atomic<int64_t>[std::max<int64_t>(n, 1)]());
   std::unique_ptr<std::atomic<int64_t>[]> by(new std::atomic<int64_t>[std::max<int64_t>(n, 1)]());
-  const int64_t most = n / grain + (n % grain != 0);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
-  const int64_t chunk = std::max<int64_t>(1, (n + threads - 1) / threads);
+  const kvserve::StealingSplit split(n, grain);  // the ranges parallel_stealing gives the threads
+  const int64_t threads = split.threads, chunk = std::max<int64_t>(1, split.chunk);
   kvserve::parallel_stealing(n, grain, [&](int64_t i) {
     if (i < chunk) {
       const auto slow = std::chrono::duration<double, std::micro>(slow_us);

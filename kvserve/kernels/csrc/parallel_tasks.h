@@ -50,7 +50,8 @@ void parallel_by_cost(int64_t n, const Cost& cost, const Body& body) {
   });
 }
 
-// What is left of a thread's range: next (the low 32 bits) up to end (the high 32), claimed one
+// What is left of a thread's range: its first task (the low 32 bits) up to one past its last (the
+// high 32), claimed one
 // task at a time from the front by its thread and from the back by the others; a line each, so
 // that a thread's claims do not contend with another range's.
 struct alignas(64) TaskSpan {
@@ -73,6 +74,18 @@ struct alignas(64) TaskSpan {
   }
 };
 
+// How parallel_stealing splits n tasks of the grain: over `threads` threads, thread t's range
+// [t * chunk, min(n, (t + 1) * chunk)) (n > 0).
+struct StealingSplit {
+  int64_t threads, chunk;
+  StealingSplit(int64_t n, int64_t grain) {
+    grain = std::max<int64_t>(1, grain);
+    const int64_t most = n / grain + (n % grain != 0);
+    threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+    chunk = (n + threads - 1) / threads;
+  }
+};
+
 // body(i) for every task i in [0, n) exactly once: thread t's range is what at::parallel_for(0,
 // n, grain) would give it (contiguous, as many tasks a thread, at most ceil(n / grain) threads);
 // each thread runs its own range from the front, then takes tasks from the back of the others'
@@ -83,15 +96,13 @@ template <typename Body>
 void parallel_stealing(int64_t n, int64_t grain, const Body& body) {
   if (n <= 0) return;
   TORCH_CHECK(n < (int64_t(1) << 31), "parallel_stealing takes fewer than 2^31 tasks, not ", n);
-  grain = std::max<int64_t>(1, grain);
-  const int64_t most = n / grain + (n % grain != 0);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), most));
+  const StealingSplit split(n, grain);
+  const int64_t threads = split.threads, chunk = split.chunk;
   if (threads == 1 || at::in_parallel_region()) {
     c10::ParallelGuard guard(true);
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  const int64_t chunk = (n + threads - 1) / threads;
   std::unique_ptr<TaskSpan[]> spans(new TaskSpan[threads]);
   for (int64_t t = 0; t < threads; ++t) {
     const uint64_t range = TaskSpan::pack(std::min(n, t * chunk), std::min(n, (t + 1) * chunk));
