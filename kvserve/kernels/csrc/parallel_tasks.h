@@ -103,7 +103,12 @@ void parallel_stealing(int64_t n, int64_t grain, const Body& body) {
     for (int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  std::unique_ptr<TaskSpan[]> spans(new TaskSpan[threads]);
+  // the ranges on the stack for a few threads (a decode step splits about 120 products this way),
+  // on the heap for more
+  constexpr int64_t kFew = 8;
+  TaskSpan few[kFew];
+  std::unique_ptr<TaskSpan[]> many(threads > kFew ? new TaskSpan[threads] : nullptr);
+  TaskSpan* spans = many ? many.get() : few;
   for (int64_t t = 0; t < threads; ++t) {
     const uint64_t range = TaskSpan::pack(std::min(n, t * chunk), std::min(n, (t + 1) * chunk));
     spans[t].left.store(range, std::memory_order_relaxed);
