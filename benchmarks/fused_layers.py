@@ -1,10 +1,11 @@
-"""Batch-1 decode with each decoder layer's decode step as one compiled call (layer_ops'
-DecodeLayer) against the same engine calling the layers' blocks one by one
-(`ModelRunner.use_fast_path(fused=False)`).
+"""Batch-1 decode with every decoder layer's decode step in one compiled call (layer_ops'
+DecodeStack), with each layer's in one call (DecodeLayer: the model's own fast forward unbound,
+its layers' kept) and with the layers' blocks called one by one
+(`ModelRunner.use_fast_path(fused=False)`), in the same engine.
 
 SmolLM2-135M-Instruct Q4_1 (the default GGUF) with the defaults, peers.py's decode: 128 greedy
 steps from a 1-token prompt, tok/s. One engine, bound each way in turn, `--rounds` rounds with the
-order alternating, so both see the machine's same minutes; medians and each round's ratio.
+order rotating, so all see the machine's same minutes; medians and each round's ratios.
 
     .venv/bin/python benchmarks/fused_layers.py            # writes benchmarks/results/fused_layers.json
 """
@@ -41,21 +42,25 @@ def main() -> None:
                                     num_blocks=128, enable_prefix_caching=False)
     vocab = loaded.config.vocab_size
     kvserve(engine, vocab)  # warm up
-    runs: dict[str, list[float]] = {"one call a layer": [], "blocks one by one": []}
+    ways = ("all layers in one call", "one call a layer", "blocks one by one")
+    runs: dict[str, list[float]] = {w: [] for w in ways}
     load = load_average()
     for r in range(a.rounds):
-        for fused in ((True, False) if r % 2 == 0 else (False, True)):
-            engine.runner.use_fast_path(True, fused=fused)
-            name = "one call a layer" if fused else "blocks one by one"
-            runs[name].append(kvserve(engine, vocab)["decode"])
-    fused, unfused = runs["one call a layer"], runs["blocks one by one"]
-    ratios = [f / u for f, u in zip(fused, unfused)]
+        for way in ways[r % 3:] + ways[:r % 3]:
+            engine.runner.use_fast_path(True, fused=way != "blocks one by one")
+            if way == "one call a layer":
+                engine.model.unbind()  # the model's fast forward (the stack) off, its layers' kept
+            runs[way].append(kvserve(engine, vocab)["decode"])
+    engine.runner.use_fast_path(True)
     medians = {k: statistics.median(v) for k, v in runs.items()}
     for k, v in runs.items():
-        print(f"{k:18} median {medians[k]:6.1f} tok/s   " + " ".join(f"{x:.1f}" for x in v))
-    gain = medians["one call a layer"] / medians["blocks one by one"]
-    print(f"one call a layer / blocks one by one: medians {gain:.3f}, rounds {min(ratios):.3f}-"
-          f"{max(ratios):.3f} (median {statistics.median(ratios):.3f})")
+        print(f"{k:22} median {medians[k]:6.1f} tok/s   " + " ".join(f"{x:.1f}" for x in v))
+    ratios = {}
+    for faster, slower in zip(ways, ways[1:]):
+        each = [f / u for f, u in zip(runs[faster], runs[slower])]
+        ratios[f"{faster} / {slower}"] = each
+        print(f"{faster} / {slower}: medians {medians[faster] / medians[slower]:.3f}, rounds "
+              f"{min(each):.3f}-{max(each):.3f} (median {statistics.median(each):.3f})")
     result = {"date": now_utc(), "machine": Machine.here(a.threads).as_dict(), "load_before": load,
               "rounds": a.rounds, "decode_tok_s": runs, "medians": medians, "ratios": ratios}
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "fused_layers.json")

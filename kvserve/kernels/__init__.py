@@ -19,7 +19,7 @@ kvserve says so once, and `failure(name)` keeps the reason.
   linear_q8        x @ W^T with W in Q4_0 / Q4_1 / Q8_0 blocks and x quantized to 8 bits a block (integer dots)
   layer_ops        a decoder layer's RMSNorm, RoPE and SiLU-times-up, one call each, and its whole decode
                    step in one call (DecodeLayer: the other kernels' products and attention through
-                   capsules, csrc/kernel_ops.h)
+                   capsules, csrc/kernel_ops.h), and every layer's in one (DecodeStack)
   linear_kquant    x @ W^T with W in GGUF K-quant / Q5_0 / Q5_1 / IQ4_NL blocks (fp32 or int8 activations), and their dequantization
 """
 

@@ -166,6 +166,15 @@ class AttentionParts(NamedTuple):
     rows: float  # the most rows the products' kernels take
 
 
+class OneCallLayer(NamedTuple):
+    """A decoder layer's plain decode step as one compiled call (LlamaDecoderLayer.decode_layer):
+    what a model running its layers as one call (LlamaForCausalLM's fast forward) takes from it."""
+
+    layer: Any  # layer_ops' DecodeLayer
+    group: int  # its attention's cache group
+    rows: float  # the most rows it takes
+
+
 class MlpParts(NamedTuple):
     """An MLP block's products as compiled operations (LlamaMLP.decode_parts): silu(gate) * up."""
 
@@ -389,6 +398,7 @@ class LlamaDecoderLayer(DirectCall, FastPath, nn.Module):
                 x, residual, cos, sin, meta.kv_write_plan, meta.decode_block_tables, meta.decode_context_lens,
                 meta.sliding_window or 0)
             return out
+        fused_forward.one_call = OneCallLayer(layer, group, most)  # type: ignore[attr-defined]
         return fused_forward
 
 
@@ -423,7 +433,7 @@ class RecomputedLayers:
     ctx: ForwardContext  # no storage: plain causal attention over each sequence
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(FastPath, nn.Module):
     model_class: type[nn.Module] = LlamaModel  # embed_tokens, layers, norm
 
     def __init__(self, config: ModelConfig) -> None:
@@ -472,6 +482,39 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             x, residual = layer.forward(x, positions, self.rope, ctx, residual)
         return self.model.norm.add_forward(x, residual)[0] if residual is not None else self.model.norm(x)
+
+    def fast_methods(self, env: FastPathEnv) -> Methods:
+        """A step of plain decodes through every layer in one compiled call (layer_ops'
+        DecodeStack: each layer's DecodeLayer in turn, the calls the layers' own loop makes, so
+        the same hidden states bit for bit), where every layer runs as one call (decode_layer)
+        over one cache group; any other step through the layers one by one."""
+        ops = env.cpu_ops
+        if not env.fused or ops is None or not hasattr(ops, "DecodeStack"):
+            return {}
+        found = [getattr(layer.__dict__.get("forward"), "one_call", None) for layer in self.model.layers]
+        parts: list[OneCallLayer] = [p for p in found if p is not None]
+        if not parts or len(parts) != len(found) or len({p.group for p in parts}) != 1:
+            return {}
+        try:
+            stack = ops.DecodeStack([p.layer for p in parts])
+        except TypeError:  # a layer's one call is not layer_ops' own DecodeLayer
+            return {}
+        one_call, group, most = stack.forward, parts[0].group, min(p.rows for p in parts)
+        layers_forward = LlamaForCausalLM.forward.__get__(self)
+
+        @torch.inference_mode()
+        def forward(input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext,
+                    recomputed: Optional[RecomputedLayers] = None) -> torch.Tensor:
+            meta = ctx.metadata[group]
+            if recomputed is not None or not meta.plain_decode or input_ids.shape[0] > most:
+                return layers_forward(input_ids, positions, ctx, recomputed)
+            assert self.rope is not None, "call init_rope() after loading weights"
+            cos, sin = self.rope.angles(positions)
+            tables, lens = meta.decode_block_tables, meta.decode_context_lens
+            x, residual = one_call(self.embed(input_ids), cos, sin, meta.kv_write_plan, tables, lens,
+                                   meta.sliding_window or 0)
+            return self.model.norm.add_forward(x, residual)[0]
+        return {"forward": forward}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> the first layer's input [T, hidden]."""

@@ -245,3 +245,70 @@ def test_a_product_hands_over_only_the_operation_of_its_own_kernel_call():
     assert DenseAbove.rows_op(SimpleNamespace(packed=Product()), call) == "operation"
     assert DenseAbove.rows_op(SimpleNamespace(packed=OtherCall()), call) is None
     assert DenseAbove.rows_op(SimpleNamespace(packed=Both()), call) == "its own operation"
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """The steps a model runs through all its layers in one compiled call (layer_ops'
+    DecodeStack, counted): the rows of each."""
+    calls: list[int] = []
+    ops = kernels.load("layer_ops")
+    if ops is None or not hasattr(ops, "DecodeStack"):
+        return calls
+    one_call = ops.DecodeStack
+
+    class Counted:
+        def __init__(self, layers):
+            self.stack = one_call(layers)
+
+        def forward(self, x, *rest):
+            calls.append(x.shape[0])
+            return self.stack.forward(x, *rest)
+    monkeypatch.setattr(ops, "DecodeStack", Counted)
+    return calls
+
+
+@pytest.mark.parametrize("case", ["q8", "q4-int8-act", "int8-cache", "window", "fp8-cache"])
+def test_a_model_whose_layers_all_fuse_runs_them_in_one_call(case, stack_calls):
+    """Every layer one call: a step of plain decodes goes through all of them in one call, and
+    gives what the layers one by one and the eager modules give, bit for bit; where the layers
+    do not fuse (an fp8 cache) nothing does."""
+    options, product, fuses = CASES[case]
+    if options.get("packed_activations") == "int8" and kernels.load("linear_q8") is None:
+        pytest.skip(f"int8 activations need the compiled linear_q8 kernel: {kernels.failure('linear_q8')}")
+    loaded = random_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, seed=8)
+    prompts = [[(5 * i + 7 * j) % 120 + 2 for j in range(n)] for i, n in enumerate((4, 11, 19, 2))]
+    runs = three_ways(loaded, prompts, 24, stack_calls, **options)
+    assert_same_outputs(runs["fused"][0], runs["unfused"][0])
+    assert_same_outputs(runs["fused"][0], runs["eager"][0])
+    stacked = fuses and fused_built(product)
+    assert runs["fused"][1] == (3 if stacked else 0)
+    assert bool(runs["fused"][2]) == stacked and runs["unfused"][2] == runs["eager"][2] == []
+    assert all(0 < rows <= 4 for rows in runs["fused"][2])
+
+
+def test_smollm2_defaults_run_every_layer_in_one_call(smollm2, stack_calls):
+    ids = smollm2.tokenizer.encode("The cache keeps the keys and values of every token it has seen.")
+    runs = three_ways(smollm2, [ids[:n] for n in (4, 11, 7)], 8, stack_calls)
+    assert_same_outputs(runs["fused"][0], runs["unfused"][0])
+    assert_same_outputs(runs["fused"][0], runs["eager"][0])
+    assert bool(runs["fused"][2]) == fused_built("linear_q8")
+
+
+def test_layers_counted_one_by_one_are_not_stacked(one_calls, stack_calls):
+    """A layer whose one call is not layer_ops' own DecodeLayer (here a wrapper that counts it)
+    cannot go into a DecodeStack: the model calls its layers one by one."""
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=9)
+    engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8")
+    run_collecting_logits(engine, [[3, 5, 7], [11, 2]], greedy(6, ignore_eos=True))
+    assert stack_calls == [] and (one_calls != []) == fused_built("linear_q8")
+
+
+def test_a_stack_takes_decode_layers_only():
+    ops = kernels.load("layer_ops")
+    if ops is None or not hasattr(ops, "DecodeStack"):
+        pytest.skip("needs the compiled layer_ops kernel")
+    with pytest.raises(TypeError, match="DecodeLayer objects, not <class 'int'>"):
+        ops.DecodeStack([3])
+    with pytest.raises(RuntimeError, match="one DecodeLayer or more"):
+        ops.DecodeStack([])
