@@ -1,7 +1,6 @@
 """Batch-1 decode with every decoder layer's decode step in one compiled call (layer_ops'
-DecodeStack), with each layer's in one call (DecodeLayer: the model's own fast forward unbound,
-its layers' kept) and with the layers' blocks called one by one
-(`ModelRunner.use_fast_path(fused=False)`), in the same engine.
+DecodeStack), with each layer's in one call (DecodeLayer: `ModelRunner.use_fast_path(stacked=False)`)
+and with the layers' blocks called one by one (`use_fast_path(fused=False)`), in the same engine.
 
 SmolLM2-135M-Instruct Q4_1 (the default GGUF) with the defaults, peers.py's decode: 128 greedy
 steps from a 1-token prompt, tok/s. One engine, bound each way in turn, `--rounds` rounds with the
@@ -47,9 +46,7 @@ def main() -> None:
     load = load_average()
     for r in range(a.rounds):
         for way in ways[r % 3:] + ways[:r % 3]:
-            engine.runner.use_fast_path(True, fused=way != "blocks one by one")
-            if way == "one call a layer":
-                engine.model.unbind()  # the model's fast forward (the stack) off, its layers' kept
+            engine.runner.use_fast_path(True, fused=way != "blocks one by one", stacked=way == ways[0])
             runs[way].append(kvserve(engine, vocab)["decode"])
     engine.runner.use_fast_path(True)
     medians = {k: statistics.median(v) for k, v in runs.items()}

@@ -49,6 +49,9 @@ class FastPathEnv:
     # whether a block may run its children's kernels as one compiled call (layer_ops' DecodeLayer)
     # instead of calling them one by one; a tool that times the kernels one by one binds without
     fused: bool = True
+    # whether a model whose layers all run as one call may run them all in one (layer_ops'
+    # DecodeStack) instead of one call a layer; a tool that compares the two binds without
+    stacked: bool = True
 
     @property
     def cpu_ops(self) -> Optional[Any]:

@@ -481,6 +481,10 @@ class LlamaForCausalLM(FastPath, nn.Module):
             layers = layers[recomputed.num_layers:]
         for layer in layers:
             x, residual = layer.forward(x, positions, self.rope, ctx, residual)
+        return self.final_norm(x, residual)
+
+    def final_norm(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> torch.Tensor:
+        """The last layer's output added to the residual stream (None: x is the stream), normed."""
         return self.model.norm.add_forward(x, residual)[0] if residual is not None else self.model.norm(x)
 
     def fast_methods(self, env: FastPathEnv) -> Methods:
@@ -489,16 +493,15 @@ class LlamaForCausalLM(FastPath, nn.Module):
         the same hidden states bit for bit), where every layer runs as one call (decode_layer)
         over one cache group; any other step through the layers one by one."""
         ops = env.cpu_ops
-        if not env.fused or ops is None or not hasattr(ops, "DecodeStack"):
+        if (not (env.fused and env.stacked) or ops is None or not hasattr(ops, "DecodeStack")
+                or type(self).forward is not LlamaForCausalLM.forward):
             return {}
         found = [getattr(layer.__dict__.get("forward"), "one_call", None) for layer in self.model.layers]
         parts: list[OneCallLayer] = [p for p in found if p is not None]
-        if not parts or len(parts) != len(found) or len({p.group for p in parts}) != 1:
+        if (not parts or len(parts) != len(found) or len({p.group for p in parts}) != 1
+                or not all(ops.is_decode_layer(p.layer) for p in parts)):
             return {}
-        try:
-            stack = ops.DecodeStack([p.layer for p in parts])
-        except TypeError:  # a layer's one call is not layer_ops' own DecodeLayer
-            return {}
+        stack = ops.DecodeStack([p.layer for p in parts])
         one_call, group, most = stack.forward, parts[0].group, min(p.rows for p in parts)
         layers_forward = LlamaForCausalLM.forward.__get__(self)
 
@@ -513,7 +516,7 @@ class LlamaForCausalLM(FastPath, nn.Module):
             tables, lens = meta.decode_block_tables, meta.decode_context_lens
             x, residual = one_call(self.embed(input_ids), cos, sin, meta.kv_write_plan, tables, lens,
                                    meta.sliding_window or 0)
-            return self.model.norm.add_forward(x, residual)[0]
+            return self.final_norm(x, residual)
         return {"forward": forward}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

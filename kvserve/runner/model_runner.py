@@ -122,17 +122,19 @@ class ModelRunner:
         self.lora: Optional[LoRASet] = None  # the LoRA adapters the model serves (None: no LoRA)
         self.cache_layers: Optional[LayerSelection] = None  # the layers keeping K/V (None: all)
 
-    def use_fast_path(self, enabled: bool, fused: bool = True) -> dict[str, list[str]]:
+    def use_fast_path(self, enabled: bool, fused: bool = True, stacked: bool = True) -> dict[str, list[str]]:
         """Run the model's fast path (each module's kernel choices bound once, kvserve.modules)
         or its eager modules; the two give the same hidden states bit for bit. Returns what is
         bound, by module name. Bound again after anything that changes a module's weights or
         kernels (the linear backends above are chosen first). fused=False: no block runs its
         children's kernels as one compiled call (a decoder layer's decode step: FastPathEnv.fused),
-        so that each kernel is called, and can be timed, on its own."""
+        so that each kernel is called, and can be timed, on its own. stacked=False: a model whose
+        layers all run as one call runs one call a layer, not all in one (FastPathEnv.stacked)."""
         unbind_fast_path(self.model)
         self.fast_path, self.fused_layers = {}, enabled and fused
         if enabled:
-            env = FastPathEnv(self.device, self.model.dtype, kernels.load("layer_ops"), self.storage, fused)
+            env = FastPathEnv(self.device, self.model.dtype, kernels.load("layer_ops"), self.storage, fused,
+                              stacked)
             self.fast_path = bind_fast_path(self.model, env)
         return self.fast_path
 

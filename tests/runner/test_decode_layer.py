@@ -32,13 +32,12 @@ def fused_layers(engine) -> int:
                and getattr(m.__dict__.get("forward"), "__name__", "") == "fused_forward")
 
 
-@pytest.fixture
-def one_calls(monkeypatch):
-    """The rows of each layer step run as one compiled call (layer_ops' DecodeLayer, counted)."""
-    calls: list[int] = []
+def count_decode_layers(monkeypatch, calls: list[int]) -> None:
+    """Each layer step run as one compiled call (layer_ops' DecodeLayer) counted into calls (its
+    rows); the wrapper that counts is no DecodeLayer of layer_ops, so no DecodeStack takes it."""
     ops = kernels.load("layer_ops")
     if ops is None or not hasattr(ops, "DecodeLayer"):
-        return calls
+        return
     one_call = ops.DecodeLayer
 
     class Counted:
@@ -49,6 +48,13 @@ def one_calls(monkeypatch):
             calls.append(x.shape[0])
             return self.layer.forward(x, *rest)
     monkeypatch.setattr(ops, "DecodeLayer", Counted)
+
+
+@pytest.fixture
+def one_calls(monkeypatch):
+    """The rows of each layer step run as one compiled call (layer_ops' DecodeLayer, counted)."""
+    calls: list[int] = []
+    count_decode_layers(monkeypatch, calls)
     return calls
 
 
@@ -268,23 +274,45 @@ def stack_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("case", ["q8", "q4-int8-act", "int8-cache", "window", "fp8-cache"])
-def test_a_model_whose_layers_all_fuse_runs_them_in_one_call(case, stack_calls):
+STACK_CASES = {  # (a CASES entry, options added): and more sequences than linear_quant's rows, sinks
+    **{case: (case, {}) for case in ("q8", "q4-int8-act", "int8-cache", "window", "fp8-cache")},
+    "more-rows": ("q8-float-act", {}),
+    "sinks": ("window", {"attention_sinks": 4}),
+}
+
+
+@pytest.mark.parametrize("case", STACK_CASES)
+def test_a_model_whose_layers_all_fuse_runs_them_in_one_call(case, stack_calls, monkeypatch):
     """Every layer one call: a step of plain decodes goes through all of them in one call, and
-    gives what the layers one by one and the eager modules give, bit for bit; where the layers
-    do not fuse (an fp8 cache) nothing does."""
-    options, product, fuses = CASES[case]
+    gives what the layers one by one and the eager modules give, bit for bit; it runs at exactly
+    the steps, and over the rows, where each layer would run one call (counted in a run without
+    the stack), so none where the layers do not fuse (an fp8 cache) or a step is no plain decode
+    (sinks), and not the steps of more rows than float activations' kernel takes."""
+    from kvserve.models.packed import FEW_ROWS
+    base, extra = STACK_CASES[case]
+    options, product, fuses = CASES[base]
+    options = {**options, **extra}
+    seqs = FEW_ROWS + 3 if case == "more-rows" else 4
     if options.get("packed_activations") == "int8" and kernels.load("linear_q8") is None:
         pytest.skip(f"int8 activations need the compiled linear_q8 kernel: {kernels.failure('linear_q8')}")
     loaded = random_llama(num_layers=3, hidden=64, heads=4, kv_heads=2, seed=8)
-    prompts = [[(5 * i + 7 * j) % 120 + 2 for j in range(n)] for i, n in enumerate((4, 11, 19, 2))]
-    runs = three_ways(loaded, prompts, 24, stack_calls, **options)
+    lengths = [(4, 11, 19, 2)[i % 4] + i // 4 for i in range(seqs)]
+    prompts = [[(5 * i + 7 * j) % 120 + 2 for j in range(n)] for i, n in enumerate(lengths)]
+    runs = three_ways(loaded, prompts, 24, stack_calls, max_num_seqs=seqs, **options)
     assert_same_outputs(runs["fused"][0], runs["unfused"][0])
     assert_same_outputs(runs["fused"][0], runs["eager"][0])
-    stacked = fuses and fused_built(product)
-    assert runs["fused"][1] == (3 if stacked else 0)
+    stacked = fuses and fused_built(product) and case != "sinks"
+    assert runs["fused"][1] == (3 if fuses and fused_built(product) else 0)
     assert bool(runs["fused"][2]) == stacked and runs["unfused"][2] == runs["eager"][2] == []
-    assert all(0 < rows <= 4 for rows in runs["fused"][2])
+    layer_calls: list[int] = []  # the same run, each layer's one call counted (no stack takes them)
+    with monkeypatch.context() as patch:
+        count_decode_layers(patch, layer_calls)
+        engine = make_engine(loaded, max_num_seqs=seqs, max_num_batched_tokens=32, **options)
+        outputs = run_collecting_logits(engine, prompts, greedy(24, ignore_eos=True))
+    assert_same_outputs(outputs, runs["fused"][0])
+    assert layer_calls == [rows for rows in runs["fused"][2] for _ in range(3)]
+    if case == "more-rows" and stacked:  # the steps of more rows went through the layers' own loop
+        assert max(runs["fused"][2]) <= FEW_ROWS
 
 
 def test_smollm2_defaults_run_every_layer_in_one_call(smollm2, stack_calls):
@@ -302,6 +330,20 @@ def test_layers_counted_one_by_one_are_not_stacked(one_calls, stack_calls):
     engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8")
     run_collecting_logits(engine, [[3, 5, 7], [11, 2]], greedy(6, ignore_eos=True))
     assert stack_calls == [] and (one_calls != []) == fused_built("linear_q8")
+
+
+def test_unstacked_binding_runs_one_call_a_layer(stack_calls):
+    """use_fast_path(stacked=False): the layers' one calls bound, the model's stack not."""
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=9)
+    engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8", enable_prefix_caching=False)
+    bound = engine.runner.use_fast_path(True, stacked=False)
+    prompts = [[3, 5, 7], [11, 2]]
+    unstacked = run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True))
+    assert "" not in bound and stack_calls == []
+    assert fused_layers(engine) == (2 if fused_built("linear_q8") else 0)
+    assert ("" in engine.runner.use_fast_path(True)) == fused_built("linear_q8")
+    assert_same_outputs(run_collecting_logits(engine, prompts, greedy(6, ignore_eos=True)), unstacked)
+    assert bool(stack_calls) == fused_built("linear_q8")
 
 
 def test_a_stack_takes_decode_layers_only():

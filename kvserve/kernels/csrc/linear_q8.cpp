@@ -265,9 +265,9 @@ void quantize_into(QuantizedX& q, const float* x, int64_t M, int64_t K) {
 
 // The quantized x of a call of a few rows, kept by the calling thread between calls: a decode
 // step makes about 120 products of one row, and four heap allocations each (and the zeroing of
-// new vectors) cost more than quantizing the row. Up to kKeptX values of x (a few dozen rows);
-// more rows get vectors of their own, freed after the call. A thread runs one product at a time,
-// so its kept x is never in use twice. A decode step's products against vectors made each call
+// new vectors) cost more than quantizing the row. Up to kKeptX values of x (113 rows of 576, 42
+// of 1536); more rows get vectors of their own, freed after the call. A thread runs one product
+// at a time, so its kept x is never in use twice. A decode step's products against vectors made each call
 // (`benchmarks/product_bandwidth.py --against`, 30 paired passes, AMD EPYC Zen 4, 2 threads):
 // 0.989 of the time at 1 row, 0.994 at 4 (qkv and o 1.5-2% less, within one run's noise).
 constexpr int64_t kKeptX = 1 << 16;
