@@ -32,29 +32,30 @@ def fused_layers(engine) -> int:
                and getattr(m.__dict__.get("forward"), "__name__", "") == "fused_forward")
 
 
-def count_decode_layers(monkeypatch, calls: list[int]) -> None:
-    """Each layer step run as one compiled call (layer_ops' DecodeLayer) counted into calls (its
-    rows); the wrapper that counts is no DecodeLayer of layer_ops, so no DecodeStack takes it."""
+def count_one_calls(monkeypatch, name: str, calls: list[int]) -> None:
+    """Each forward(x, ...) of layer_ops' class `name` (DecodeLayer, DecodeStack) counted into
+    calls (x's rows), through a wrapper; a wrapped DecodeLayer is no DecodeLayer of layer_ops, so
+    no DecodeStack takes it."""
     ops = kernels.load("layer_ops")
-    if ops is None or not hasattr(ops, "DecodeLayer"):
+    if ops is None or not hasattr(ops, name):
         return
-    one_call = ops.DecodeLayer
+    one_call = getattr(ops, name)
 
     class Counted:
         def __init__(self, *args):
-            self.layer = one_call(*args)
+            self.op = one_call(*args)
 
         def forward(self, x, *rest):
             calls.append(x.shape[0])
-            return self.layer.forward(x, *rest)
-    monkeypatch.setattr(ops, "DecodeLayer", Counted)
+            return self.op.forward(x, *rest)
+    monkeypatch.setattr(ops, name, Counted)
 
 
 @pytest.fixture
 def one_calls(monkeypatch):
     """The rows of each layer step run as one compiled call (layer_ops' DecodeLayer, counted)."""
     calls: list[int] = []
-    count_decode_layers(monkeypatch, calls)
+    count_one_calls(monkeypatch, "DecodeLayer", calls)
     return calls
 
 
@@ -258,19 +259,7 @@ def stack_calls(monkeypatch):
     """The steps a model runs through all its layers in one compiled call (layer_ops'
     DecodeStack, counted): the rows of each."""
     calls: list[int] = []
-    ops = kernels.load("layer_ops")
-    if ops is None or not hasattr(ops, "DecodeStack"):
-        return calls
-    one_call = ops.DecodeStack
-
-    class Counted:
-        def __init__(self, layers):
-            self.stack = one_call(layers)
-
-        def forward(self, x, *rest):
-            calls.append(x.shape[0])
-            return self.stack.forward(x, *rest)
-    monkeypatch.setattr(ops, "DecodeStack", Counted)
+    count_one_calls(monkeypatch, "DecodeStack", calls)
     return calls
 
 
@@ -306,7 +295,7 @@ def test_a_model_whose_layers_all_fuse_runs_them_in_one_call(case, stack_calls, 
     assert bool(runs["fused"][2]) == stacked and runs["unfused"][2] == runs["eager"][2] == []
     layer_calls: list[int] = []  # the same run, each layer's one call counted (no stack takes them)
     with monkeypatch.context() as patch:
-        count_decode_layers(patch, layer_calls)
+        count_one_calls(patch, "DecodeLayer", layer_calls)
         engine = make_engine(loaded, max_num_seqs=seqs, max_num_batched_tokens=32, **options)
         outputs = run_collecting_logits(engine, prompts, greedy(24, ignore_eos=True))
     assert_same_outputs(outputs, runs["fused"][0])
