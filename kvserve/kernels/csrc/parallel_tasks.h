@@ -51,9 +51,8 @@ void parallel_by_cost(int64_t n, const Cost& cost, const Body& body) {
 }
 
 // What is left of a thread's range: its first task (the low 32 bits) up to one past its last (the
-// high 32), claimed one
-// task at a time from the front by its thread and from the back by the others; a line each, so
-// that a thread's claims do not contend with another range's.
+// high 32), claimed one task at a time from the front by its thread and from the back by the
+// others; a line each, so that a thread's claims do not contend with another range's.
 struct alignas(64) TaskSpan {
   std::atomic<uint64_t> left;
   static uint64_t pack(int64_t first, int64_t last) {
