@@ -202,6 +202,12 @@ def test_operations_refuse_what_they_do_not_take():
                         cache)
     with pytest.raises(RuntimeError, match="W holds 16 panel rows, not panels of 40"):
         q8.rows_op("linear_q8", w, 3, 32, 40, None)
+    with pytest.raises(RuntimeError, match=r"o and down give hidden \(32\) columns"):  # products of 16
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 2, 1, "store_kv",
+                        cache)
+    with pytest.raises(RuntimeError, match=r"16 columns are not \(heads \+ 2 kv_heads\) heads"):
+        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 3, 1, "store_kv",
+                        cache)
 
 
 def test_every_packed_products_kernel_hands_its_product_over():
@@ -343,3 +349,68 @@ def test_a_stack_takes_decode_layers_only():
         ops.DecodeStack([3])
     with pytest.raises(RuntimeError, match="one DecodeLayer or more"):
         ops.DecodeStack([])
+
+
+def decode_layers(intermediates, hidden=64, heads=4, kv_heads=2, blocks=12, block_size=16, seed=0):
+    """layer_ops DecodeLayers over linear_q8 products of random Q8_0 weights (one MLP width a
+    layer) and each a dense fp32 cache of random K/V, built from the kernels' operations directly."""
+    from kvserve.models.packed import FORMATS, quantize
+    from tests.conftest import scaled_rows
+    ops, q8, attention = kernels.load("layer_ops"), kernels.load("linear_q8"), kernels.load("paged_attention")
+    fmt, D = FORMATS["q8_0"], hidden // heads
+    g = torch.Generator().manual_seed(seed)
+
+    def product(n, k):
+        nonlocal seed
+        seed += 1
+        p = quantize(scaled_rows(n, k, seed), fmt)
+        return q8.rows_op("linear_q8", q8.pack_panels(p.data, fmt.ggml_type, k), fmt.ggml_type, k, n, None)
+
+    layers = []
+    for i in intermediates:
+        cache = [torch.randn(blocks, block_size, kv_heads, D, generator=g) for _ in range(2)]
+        norms = [1 + 0.1 * torch.randn(hidden, generator=g) for _ in range(2)]
+        qkv, o = product((heads + 2 * kv_heads) * D, hidden), product(hidden, hidden)
+        gate_up, down = product(2 * i, hidden), product(hidden, i)
+        decode = attention.decode_op("dense", cache, D ** -0.5)
+        layers.append(ops.DecodeLayer(norms[0], 1e-5, norms[1], 1e-5, qkv, o, gate_up, down, decode, heads,
+                                      kv_heads, "store_kv", cache))
+    return layers
+
+
+def test_a_stack_keeps_its_tensors_between_steps_and_hands_out_its_own_output():
+    """DecodeStack's layers write into tensors it keeps, one set for the layers of each shape (two
+    MLP widths here), grown to the most rows a step has had: each step (1, 3, then 2 rows) gives
+    what the layers' own forwards give one after the other, bit for bit, and an output handed out
+    stays as it was through later steps."""
+    if not fused_built("linear_q8"):
+        pytest.skip("needs the compiled layer_ops (a vector build), paged_attention and linear_q8 kernels")
+    ops = kernels.load("layer_ops")
+    layers = decode_layers([96, 160, 96, 160])
+    stack = ops.DecodeStack(layers)
+    assert stack.kept_rows == 0
+    g = torch.Generator().manual_seed(1)
+    tables = torch.arange(12).reshape(3, 4)  # each row's own blocks
+    handed = []
+    for rows, lens in ((1, [5]), (3, [6, 40, 7]), (2, [8, 41])):
+        lens = torch.tensor(lens)
+        slots = tables[torch.arange(rows), (lens - 1) // 16] * 16 + (lens - 1) % 16
+        angles = torch.rand(rows, 8, generator=g)
+        cos, sin = angles.cos(), angles.sin()
+        x = torch.randn(rows, 64, generator=g)
+        want, residual = layers[0].forward(x.clone(), None, cos, sin, slots, tables[:rows], lens, 0)
+        for layer in layers[1:]:
+            want, residual = layer.forward(want, residual, cos, sin, slots, tables[:rows], lens, 0)
+        got, stream = stack.forward(x, cos, sin, slots, tables[:rows], lens, 0)
+        assert torch.equal(got, want) and torch.equal(stream, residual) and stream.data_ptr() == x.data_ptr()
+        handed.append((got, got.clone()))
+    assert stack.kept_rows == 3
+    assert all(torch.equal(out, copy) for out, copy in handed)
+
+
+def test_a_stack_takes_layers_of_one_hidden_size():
+    if not fused_built("linear_q8"):
+        pytest.skip("needs the compiled layer_ops (a vector build), paged_attention and linear_q8 kernels")
+    layers = decode_layers([96]) + decode_layers([96], hidden=128, heads=8, kv_heads=4)
+    with pytest.raises(RuntimeError, match="share one hidden size, not 64 and 128"):
+        kernels.load("layer_ops").DecodeStack(layers)

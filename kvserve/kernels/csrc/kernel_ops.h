@@ -16,6 +16,11 @@ namespace kvserve {
 struct RowsOp {
   virtual ~RowsOp() = default;
   virtual at::Tensor operator()(const at::Tensor& x) const = 0;
+  // N: the columns of y.
+  virtual int64_t out_features() const = 0;
+  // The same y written into out (fp32 [M, N], contiguous), for a caller that keeps its outputs
+  // between calls; a kernel whose entry makes its own output has it copied there.
+  virtual void into(const at::Tensor& x, const at::Tensor& out) const { out.copy_((*this)(x)); }
 };
 
 // Decode attention of q [B, H, D] over one layer's cache through the block tables [B, max blocks]
@@ -24,6 +29,9 @@ struct DecodeOp {
   virtual ~DecodeOp() = default;
   virtual at::Tensor operator()(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                                 int64_t window) const = 0;
+  // The same written into out (q's dtype, [B, H, D] contiguous).
+  virtual void into(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens, int64_t window,
+                    const at::Tensor& out) const = 0;
 };
 
 // A product kernel's entry that takes (x, W, its format, K, bias), with W and the rest bound.
@@ -36,6 +44,7 @@ struct BoundProduct final : RowsOp {
   BoundProduct(ProductFn fn, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias)
       : fn(fn), w(std::move(w)), fmt(fmt), K(K), bias(std::move(bias)) {}
   at::Tensor operator()(const at::Tensor& x) const override { return fn(x, w, fmt, K, bias); }
+  int64_t out_features() const override { return w.size(0); }  // W [N, a row's bytes] in these kernels
 };
 
 template <typename Op>

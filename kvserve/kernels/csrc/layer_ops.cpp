@@ -45,6 +45,8 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -78,10 +80,9 @@ void check_norm(const at::Tensor& x, const at::Tensor& w) {
               w.is_contiguous(), "x [T, H], w [H] of x's dtype");
 }
 
-at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
-  check_norm(x, w);
+// rms_norm into out ([T, H] of x's dtype, contiguous), on checked operands.
+void rms_norm_into(const at::Tensor& x, const at::Tensor& w, double eps, const at::Tensor& out) {
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  auto out = at::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -90,17 +91,21 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
       for (int64_t t = begin; t < end; ++t) norm_row(xp + t * ld, wp, op + t * H, H, static_cast<float>(eps));
     });
   });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
+  check_norm(x, w);
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  rms_norm_into(x, w, eps, out);
   return out;
 }
 
 // residual += x (rounded to the dtype, as torch's add rounds), then rms_norm(residual): the
 // residual stream's add and the next norm in one call. residual is updated in place.
-at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
-  check_norm(x, w);
-  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
-              "residual: contiguous, of x's shape and dtype");
+// add_rms_norm into out ([T, H] of x's dtype, contiguous, not x), on checked operands.
+void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, double eps,
+                       const at::Tensor& out) {
   const int64_t T = x.size(0), H = x.size(1), ld = x.stride(0);
-  auto out = at::empty({T, H}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = w.data_ptr<scalar_t>();
@@ -115,6 +120,14 @@ at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double 
       }
     });
   });
+}
+
+at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
+  check_norm(x, w);
+  TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type(), "residual: contiguous, of x's shape and dtype");
+  auto out = at::empty({x.size(0), x.size(1)}, x.options());
+  add_rms_norm_into(x, residual, w, eps, out);
   return out;
 }
 
@@ -160,14 +173,17 @@ at::Tensor rotate_halves(at::Tensor x, at::Tensor cos, at::Tensor sin) {
 // q, k rotated and v, from a fused q|k|v product [T, (H + 2 KVH) D]: q [T, H, D] and k [T, KVH, D]
 // new tensors, v [T, KVH, D] a view of the product's last columns. One call for what took a
 // split, three views and two rotate_halves.
-std::vector<at::Tensor> rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t KVH) {
+void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && H > 0 && KVH > 0 && qkv.size(1) % (H + 2 * KVH) == 0 &&
               (qkv.size(1) / (H + 2 * KVH)) % 2 == 0, "qkv [T, (H + 2 KVH) D] with D even");
+  check_angles(qkv, cos, sin, qkv.size(0), qkv.size(1) / (H + 2 * KVH));
+}
+
+// q [T, H, D] and k [T, KVH, D] (contiguous, qkv's dtype) rotated from qkv, on checked operands.
+void rope_qkv_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
+                   int64_t KVH, const at::Tensor& q, const at::Tensor& k) {
   const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH), ld = qkv.stride(0);
-  check_angles(qkv, cos, sin, T, D);
-  auto q = at::empty({T, H, D}, qkv.options());
-  auto k = at::empty({T, KVH, D}, qkv.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qkv", [&] {
     const scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -175,7 +191,21 @@ std::vector<at::Tensor> rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin,
     rotate_into(xp, ld, D, cp, sp, q.data_ptr<scalar_t>(), T, H, D);
     rotate_into(xp + H * D, ld, D, cp, sp, k.data_ptr<scalar_t>(), T, KVH, D);
   });
-  return {q, k, qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D})};
+}
+
+// v [T, KVH, D]: a view of qkv's last columns.
+at::Tensor v_of(const at::Tensor& qkv, int64_t H, int64_t KVH) {
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
+  return qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
+}
+
+std::vector<at::Tensor> rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t KVH) {
+  check_qkv(qkv, cos, sin, H, KVH);
+  const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
+  auto q = at::empty({T, H, D}, qkv.options());
+  auto k = at::empty({T, KVH, D}, qkv.options());
+  rope_qkv_into(qkv, cos, sin, H, KVH, q, k);
+  return {q, k, v_of(qkv, H, KVH)};
 }
 
 #if defined(__AVX512F__)
@@ -266,11 +296,12 @@ void silu_mul_rows(const scalar_t* gp, const scalar_t* up, int64_t lg, int64_t l
   });
 }
 
-// silu(g) * u as a new [T, I] tensor, g's rows from element g_at of g, u's from u_at of u (each
-// row at its tensor's row stride): what both entries below compute, on checked operands.
+// silu(g) * u into out [T, I] (contiguous, g's dtype; a new tensor where none is given), g's rows
+// from element g_at of g, u's from u_at of u (each row at its tensor's row stride): what the entries
+// below compute, on checked operands.
 at::Tensor silu_mul_at(const at::Tensor& g, int64_t g_at, const at::Tensor& u, int64_t u_at, int64_t T,
-                       int64_t I) {
-  auto out = at::empty({T, I}, g.options());
+                       int64_t I, const at::Tensor& into = {}) {
+  auto out = into.defined() ? into : at::empty({T, I}, g.options());
   if (T == 0) return out;  // (an empty tensor's data pointer may be null: no offset from it)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, g.scalar_type(), "silu_mul", [&] {
     silu_mul_rows(g.data_ptr<scalar_t>() + g_at, u.data_ptr<scalar_t>() + u_at, g.stride(0), u.stride(0),
@@ -516,6 +547,14 @@ at::Tensor argmax_rows(at::Tensor x) {
 }
 #endif
 
+// The tensors a decoder layer's step writes, for T rows (fp32): its norms' output h [T, hidden],
+// the q|k|v product [T, (H + 2 KVH) D] with q, k rotated [T, H, D], [T, KVH, D] and v its view,
+// the attention's output [T, H, D] (and as rows [T, H D]), o's product [T, hidden], gate|up's
+// [T, 2 I] and silu(gate) * up [T, I].
+struct LayerTensors {
+  at::Tensor h, qkv, q, k, v, attended, attended_rows, o, gate_up, act;
+};
+
 // A pre-norm decoder layer's decode step in one call: what the fast path's blocks call one by one
 // (kvserve.models.llama: LlamaDecoderLayer, LlamaAttention and LlamaMLP), in the same order on
 // the same arguments, so its outputs equal theirs bit for bit:
@@ -543,6 +582,13 @@ class DecodeLayer {
                 cache_[0].scalar_type());
     TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0, "heads (", heads_,
                 ") must be a positive multiple of kv_heads (", kv_heads_, ")");
+    const int64_t qkv_n = qkv_->out_features(), hidden = w1_.size(0);
+    TORCH_CHECK(w1_.dim() == 1 && w2_.sizes() == w1_.sizes(), "the two norms' weights [hidden] alike");
+    TORCH_CHECK(qkv_n % (heads_ + 2 * kv_heads_) == 0 && (qkv_n / (heads_ + 2 * kv_heads_)) % 2 == 0,
+                "the q|k|v product's ", qkv_n, " columns are not (heads + 2 kv_heads) heads of an even size");
+    TORCH_CHECK(o_->out_features() == hidden && down_->out_features() == hidden &&
+                gate_up_->out_features() % 2 == 0, "o and down give hidden (", hidden,
+                ") columns, gate|up an even number");
   }
 
   // x [T, hidden]: the previous layer's output (the embeddings for the first layer, residual
@@ -551,20 +597,63 @@ class DecodeLayer {
   std::pair<at::Tensor, at::Tensor> forward(at::Tensor x, c10::optional<at::Tensor> residual,
                                             at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                             at::Tensor tables, at::Tensor lens, int64_t window) const {
-    at::Tensor r, h;
-    if (residual.has_value() && residual->defined()) {
-      r = *residual;
-      h = add_rms_norm(x, r, w1_, eps1_);
-    } else {
-      r = x;
-      h = rms_norm(x, w1_, eps1_);
-    }
-    const auto qkv = rope_qkv((*qkv_)(h), cos, sin, heads_, kv_heads_);
-    if (int8_) store_kv_int8(cache_[0], cache_[1], cache_[2], cache_[3], slots, qkv[1], qkv[2]);
-    else store_kv(cache_[0], cache_[1], slots, qkv[1], qkv[2]);
-    const at::Tensor attended = (*decode_)(qkv[0], tables, lens, window);
-    h = add_rms_norm((*o_)(attended.flatten(1)), r, w2_, eps2_);
-    return {(*down_)(silu_mul_halves((*gate_up_)(h))), r};
+    const bool first = !(residual.has_value() && residual->defined());
+    const at::Tensor r = first ? x : *residual;
+    check_x(x);
+    TORCH_CHECK(r.is_contiguous() && r.sizes() == x.sizes() && r.scalar_type() == x.scalar_type(),
+                "residual: contiguous, of x's shape and dtype");
+    const at::Tensor out = at::empty({x.size(0), down_->out_features()}, x.options());
+    step(x, r, first, cos, sin, slots, tables, lens, window, tensors(x.size(0), x.options()), out);
+    return {out, r};
+  }
+
+  // What sizes the tensors of its step: hidden, the q|k|v product's columns, heads, K/V heads and
+  // the gate|up product's columns.
+  using Shape = std::array<int64_t, 5>;
+  Shape shape() const {
+    return {w1_.size(0), qkv_->out_features(), heads_, kv_heads_, gate_up_->out_features()};
+  }
+
+  // x as this layer's input: [T, hidden] of its weights' dtype, rows contiguous.
+  void check_x(const at::Tensor& x) const { check_norm(x, w1_); }
+
+  // New tensors for a step of T rows (options: x's).
+  LayerTensors tensors(int64_t T, const at::TensorOptions& options) const {
+    const int64_t hidden = w1_.size(0), qkv_n = qkv_->out_features(), D = qkv_n / (heads_ + 2 * kv_heads_);
+    LayerTensors t;
+    t.h = at::empty({T, hidden}, options);
+    t.qkv = at::empty({T, qkv_n}, options);
+    t.q = at::empty({T, heads_, D}, options);
+    t.k = at::empty({T, kv_heads_, D}, options);
+    t.v = v_of(t.qkv, heads_, kv_heads_);
+    t.attended = at::empty({T, heads_, D}, options);
+    t.attended_rows = t.attended.view({T, heads_ * D});
+    t.o = at::empty({T, hidden}, options);
+    t.gate_up = at::empty({T, gate_up_->out_features()}, options);
+    t.act = at::empty({T, gate_up_->out_features() / 2}, options);
+    return t;
+  }
+
+  // forward's step through the tensors t (of x's rows, from tensors()), the output into out [T,
+  // hidden]; r (x for the first layer) is the residual stream, updated in place. x is read first
+  // and not after, so out may be x.
+  void step(const at::Tensor& x, const at::Tensor& r, bool first, const at::Tensor& cos,
+            const at::Tensor& sin, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& lens,
+            int64_t window, const LayerTensors& t, const at::Tensor& out) const {
+    if (first) rms_norm_into(x, w1_, eps1_, t.h);
+    else add_rms_norm_into(x, r, w1_, eps1_, t.h);
+    qkv_->into(t.h, t.qkv);
+    check_qkv(t.qkv, cos, sin, heads_, kv_heads_);
+    rope_qkv_into(t.qkv, cos, sin, heads_, kv_heads_, t.q, t.k);
+    if (int8_) store_kv_int8(cache_[0], cache_[1], cache_[2], cache_[3], slots, t.k, t.v);
+    else store_kv(cache_[0], cache_[1], slots, t.k, t.v);
+    decode_->into(t.q, tables, lens, window, t.attended);
+    o_->into(t.attended_rows, t.o);
+    add_rms_norm_into(t.o, r, w2_, eps2_, t.h);
+    gate_up_->into(t.h, t.gate_up);
+    const int64_t I = t.act.size(1);
+    silu_mul_at(t.gate_up, 0, t.gate_up, I, t.gate_up.size(0), I, t.act);
+    down_->into(t.act, out);
   }
 
  private:
@@ -579,36 +668,79 @@ class DecodeLayer {
 };
 
 // A step of plain decodes through every decoder layer of a model, each a DecodeLayer, in one
-// call: the layers' forward one after the other on the same arguments, each layer's output and
+// call: the layers' steps one after the other on the same arguments, each layer's output and
 // the residual stream handed to the next, as the model's Python loop hands them (the same
 // outputs bit for bit), without a Python call between layers (its frame, the step's metadata
 // looked up, eight arguments converted: about 140 us over SmolLM2's 30 layers, docs/weights.md).
+//
+// The layers write into tensors the stack keeps from step to step, not the ten or so each layer's
+// forward makes (each an allocation and a TensorImpl: about 300 a step over 30 layers): one set
+// for all the layers of a shape (a model's layers are of one), of the most rows a step has had, a
+// step's rows a view of them. A layer's output goes into one kept tensor that the next layer reads
+// first (and then overwrites); the last layer's is a new tensor, the caller's to keep.
 class DecodeStack {
  public:
   explicit DecodeStack(std::vector<pybind11::object> layers) : held_(std::move(layers)) {
     TORCH_CHECK(!held_.empty(), "a DecodeStack takes one DecodeLayer or more");
+    std::vector<DecodeLayer::Shape> shapes;  // one a set of kept tensors
     for (const auto& o : held_) {
       if (!pybind11::isinstance<DecodeLayer>(o))
         throw pybind11::type_error("a DecodeStack takes DecodeLayer objects, not " +
                                    std::string(pybind11::str(pybind11::type::of(o))));
       layers_.push_back(o.cast<const DecodeLayer*>());
+      const auto shape = layers_.back()->shape();
+      TORCH_CHECK(shape[0] == layers_[0]->shape()[0], "the layers of a stack share one hidden size, not ",
+                  layers_[0]->shape()[0], " and ", shape[0]);
+      const auto found = std::find(shapes.begin(), shapes.end(), shape);
+      set_.push_back(found - shapes.begin());
+      if (found == shapes.end()) shapes.push_back(shape);
     }
+    kept_.resize(shapes.size());
   }
 
-  // x [T, hidden]: the embeddings; returns the last layer's output and the residual stream.
+  // x [T, hidden] (contiguous): the embeddings, which become the residual stream (updated in
+  // place); returns the last layer's output and the residual stream.
   std::pair<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
-                                            at::Tensor tables, at::Tensor lens, int64_t window) const {
-    auto h = layers_[0]->forward(std::move(x), c10::nullopt, cos, sin, slots, tables, lens, window);
-    for (size_t i = 1; i < layers_.size(); ++i)
-      h = layers_[i]->forward(h.first, h.second, cos, sin, slots, tables, lens, window);
-    return h;
+                                            at::Tensor tables, at::Tensor lens, int64_t window) {
+    for (const auto* layer : layers_) layer->check_x(x);
+    TORCH_CHECK(x.is_contiguous(), "x: contiguous [T, hidden]");
+    const int64_t T = x.size(0);
+    if (kept_rows() < T || !y_.defined() || y_.scalar_type() != x.scalar_type()) keep(T, x.options());
+    std::vector<LayerTensors> sets;
+    for (const auto& k : kept_) sets.push_back(first_rows(k, T));
+    const at::Tensor between = y_.narrow(0, 0, T), last = at::empty_like(x);
+    for (size_t i = 0; i < layers_.size(); ++i)
+      layers_[i]->step(i == 0 ? x : between, x, i == 0, cos, sin, slots, tables, lens, window, sets[set_[i]],
+                       i + 1 == layers_.size() ? last : between);
+    return {last, x};
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The rows the kept tensors hold (0 before the first step).
+  int64_t kept_rows() const { return y_.defined() ? y_.size(0) : 0; }
+
  private:
+  // Kept tensors for T rows, a set for each shape of layer.
+  void keep(int64_t T, const at::TensorOptions& options) {
+    for (size_t j = 0; j < kept_.size(); ++j) {
+      const size_t i = std::find(set_.begin(), set_.end(), j) - set_.begin();  // set j's first layer
+      kept_[j] = layers_[i]->tensors(T, options);
+    }
+    y_ = at::empty({T, layers_[0]->shape()[0]}, options);
+  }
+
+  static LayerTensors first_rows(const LayerTensors& k, int64_t T) {
+    const auto first = [T](const at::Tensor& a) { return a.narrow(0, 0, T); };
+    return {first(k.h), first(k.qkv), first(k.q), first(k.k), first(k.v), first(k.attended),
+            first(k.attended_rows), first(k.o), first(k.gate_up), first(k.act)};
+  }
+
   std::vector<pybind11::object> held_;  // the DecodeLayer objects, kept alive here
   std::vector<const DecodeLayer*> layers_;
+  std::vector<size_t> set_;  // layer i's kept tensors: kept_[set_[i]]
+  std::vector<LayerTensors> kept_;
+  at::Tensor y_;  // [rows, hidden]: a layer's output, the next one's input
 };
 
 }  // namespace
@@ -644,7 +776,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                 "a step of plain decodes through every decoder layer in one call (CPU)")
       .def(pybind11::init<std::vector<pybind11::object>>())
       .def("forward", &DecodeStack::forward)
-      .def("__len__", &DecodeStack::size);
+      .def("__len__", &DecodeStack::size)
+      .def_property_readonly("kept_rows", &DecodeStack::kept_rows,
+                             "the rows of the tensors the stack keeps between steps (0 before the first)");
   m.def("is_decode_layer", [](const pybind11::object& o) { return pybind11::isinstance<DecodeLayer>(o); },
         "whether o is a DecodeLayer of this module (what a DecodeStack takes)");
 }

@@ -1061,7 +1061,8 @@ at::Tensor unpack_panels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::o
 }
 
 // A product's operands, checked (x [M, K] fp32, W's panels of N rows, bias [N] or none), and its
-// output y [M, N]; `holder` keeps a converted bias alive.
+// output y [M, N]: `y` where it is given (fp32 [M, N], contiguous), else a new tensor; `holder`
+// keeps a converted bias alive.
 struct Operands {
   at::Tensor x, holder, y;
   const float* bias;
@@ -1070,26 +1071,34 @@ struct Operands {
 };
 
 Operands operands(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, int64_t N,
-                  const c10::optional<at::Tensor>& bias) {
+                  const c10::optional<at::Tensor>& bias, const at::Tensor& y = {}) {
   check(w, fmt, K);
   TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
   Operands o;
   o.x = kvserve::checked_x(x, K);
   o.M = x.size(0);
   o.bias = kvserve::bias_ptr(bias, N, o.holder);
-  o.y = at::empty({o.M, N}, x.options());
+  if (y.defined())
+    TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == o.M &&
+                y.size(1) == N && y.is_contiguous(), "out: fp32 [M, N] contiguous on CPU");
+  o.y = y.defined() ? y : at::empty({o.M, N}, x.options());
   return o;
 }
 
-at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
-                     c10::optional<at::Tensor> bias) {
-  Operands o = operands(x, w, fmt, K, N, bias);
-  if (o.M == 0) return o.y;
+// y = x @ W^T (+ bias) into o.y.
+void product_into(Operands& o, const at::Tensor& w, int64_t fmt, int64_t K, int64_t N) {
+  if (o.M == 0) return;
   const float* xp = o.x.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   if (fmt == kQ4_0) product<kQ4_0>(xp, wp, o.out(N), o.M, K);
   else if (fmt == kQ4_1) product<kQ4_1>(xp, wp, o.out(N), o.M, K);
   else product<kQ8_0>(xp, wp, o.out(N), o.M, K);
+}
+
+at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, int64_t N,
+                     c10::optional<at::Tensor> bias) {
+  Operands o = operands(x, w, fmt, K, N, bias);
+  product_into(o, w, fmt, K, N);
   return o.y;
 }
 
@@ -1118,6 +1127,11 @@ struct BoundPanels final : kvserve::RowsOp {
   BoundPanels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<at::Tensor> bias)
       : w(std::move(w)), fmt(fmt), K(K), N(N), bias(std::move(bias)) {}
   at::Tensor operator()(const at::Tensor& x) const override { return linear_q8(x, w, fmt, K, N, bias); }
+  int64_t out_features() const override { return N; }
+  void into(const at::Tensor& x, const at::Tensor& out) const override {
+    Operands o = operands(x, w, fmt, K, N, bias, out);
+    product_into(o, w, fmt, K, N);
+  }
 };
 
 pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, int64_t K, int64_t N,

@@ -971,16 +971,22 @@ struct Call {
   int64_t B, H, D, BS, KVH, window;
 };
 
+// The call's operands checked; its output `out` where one is given (q's dtype and shape, contiguous),
+// else a new tensor.
 Call prepare(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tables,
-             const at::Tensor& lens, int64_t head_dim, int64_t window) {
+             const at::Tensor& lens, int64_t head_dim, int64_t window, const at::Tensor& out = {}) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_decode runs on CPU tensors");
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4, "q [B, H, D] and a cache [num_blocks, BS, KVH, ...]");
   TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lengths");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
+  if (out.defined())
+    TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() &&
+                out.is_contiguous(), "out: q's dtype and shape, contiguous on CPU");
   // out in q's shape, row-major whatever q's strides (empty_like(q) would keep a permuted q's order)
-  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(), at::empty(q.sizes(), q.options()), q.size(0), q.size(1),
-         q.size(2), cache.size(1), cache.size(2), window};
+  Call c{q.contiguous(), tables.contiguous(), lens.contiguous(),
+         out.defined() ? out : at::empty(q.sizes(), q.options()), q.size(0), q.size(1), q.size(2),
+         cache.size(1), cache.size(2), window};
   TORCH_CHECK(c.D == head_dim && c.H % c.KVH == 0 && c.D <= 256, "shape mismatch");
   return c;
 }
@@ -995,9 +1001,11 @@ at::Tensor run(Call& c, const KSrc& ks, const VSrc& vs, double scale) {
   return c.out;
 }
 
-at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
-                        at::Tensor lens, double scale, int64_t window) {
-  Call c = prepare(q, k, tables, lens, k.size(3), window);
+// paged_decode into `into` where it is given (else a new tensor).
+at::Tensor paged_decode_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             const at::Tensor& tables, const at::Tensor& lens, double scale, int64_t window,
+                             const at::Tensor& into) {
+  Call c = prepare(q, k, tables, lens, k.size(3), window, into);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && v.is_contiguous(), "one dtype for K and V");
   const Shape s{c.BS, c.KVH, c.D};
   at::Tensor out;
@@ -1007,16 +1015,29 @@ at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tab
   return out;
 }
 
-at::Tensor paged_decode_int8(at::Tensor q, at::Tensor k, at::Tensor k_scale, at::Tensor v,
-                             at::Tensor v_scale, at::Tensor tables, at::Tensor lens, double scale,
-                             int64_t window) {
-  Call c = prepare(q, k, tables, lens, k.size(3), window);
+at::Tensor paged_decode(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor tables,
+                        at::Tensor lens, double scale, int64_t window) {
+  return paged_decode_into(q, k, v, tables, lens, scale, window, {});
+}
+
+// paged_decode_int8 into `into` where it is given (else a new tensor).
+at::Tensor paged_decode_int8_into(const at::Tensor& q, const at::Tensor& k, const at::Tensor& k_scale,
+                                  const at::Tensor& v, const at::Tensor& v_scale, const at::Tensor& tables,
+                                  const at::Tensor& lens, double scale, int64_t window,
+                                  const at::Tensor& into) {
+  Call c = prepare(q, k, tables, lens, k.size(3), window, into);
   TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar && k_scale.scalar_type() == at::kFloat
               && v_scale.scalar_type() == at::kFloat && v.is_contiguous() && k_scale.is_contiguous()
               && v_scale.is_contiguous(), "int8 values and fp32 scales");
   const Shape s{c.BS, c.KVH, c.D};
   return run(c, Int8{k.data_ptr<int8_t>(), k_scale.data_ptr<float>(), s},
              Int8{v.data_ptr<int8_t>(), v_scale.data_ptr<float>(), s}, scale);
+}
+
+at::Tensor paged_decode_int8(at::Tensor q, at::Tensor k, at::Tensor k_scale, at::Tensor v,
+                             at::Tensor v_scale, at::Tensor tables, at::Tensor lens, double scale,
+                             int64_t window) {
+  return paged_decode_int8_into(q, k, k_scale, v, v_scale, tables, lens, scale, window, {});
 }
 
 at::Tensor paged_decode_fp8(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor table,
@@ -1081,8 +1102,17 @@ struct Decode final : kvserve::DecodeOp {
       : int8(int8), cache(std::move(cache)), scale(scale) {}
   at::Tensor operator()(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens,
                         int64_t window) const override {
-    return int8 ? paged_decode_int8(q, cache[0], cache[1], cache[2], cache[3], tables, lens, scale, window)
-                : paged_decode(q, cache[0], cache[1], tables, lens, scale, window);
+    return run_into(q, tables, lens, window, {});
+  }
+  void into(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens, int64_t window,
+            const at::Tensor& out) const override {
+    run_into(q, tables, lens, window, out);
+  }
+  at::Tensor run_into(const at::Tensor& q, const at::Tensor& tables, const at::Tensor& lens, int64_t window,
+                      const at::Tensor& out) const {
+    const auto& c = cache;
+    if (int8) return paged_decode_int8_into(q, c[0], c[1], c[2], c[3], tables, lens, scale, window, out);
+    return paged_decode_into(q, c[0], c[1], tables, lens, scale, window, out);
   }
 };
 
