@@ -127,6 +127,7 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}))
     runs: dict[str, list[float]] = {}
+    gc.collect()  # the batch-1 engines (and their KV caches) before the first run, not during it
     peer_dtype, why = vllm_dtype()
     peer = f"vLLM-CPU {peer_dtype}"
     print(f"vLLM-CPU runs in {peer_dtype}: {why}")

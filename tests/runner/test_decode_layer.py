@@ -151,21 +151,28 @@ def test_stories_down_projection_is_not_packed_so_nothing_fuses(stories, one_cal
     check(stories, [ids[:n] for n in (3, 9, 17)], 12, layers, False, one_calls, weight_dtype="int8")
 
 
-@pytest.mark.parametrize("acts", ["float", "int8"])
-def test_k_quant_products_fuse_too(acts, one_calls):
-    """Q4_K matrices: linear_kquant's products (fp32 or int8 activations) as compiled operations."""
+def kquant_llama():
+    """A 2-layer Llama whose layer matrices are random valid Q4_K blocks."""
     from tests.kernels.kquant_blocks import random_packed
-    if acts == "int8" and kernels.load("linear_kquant") is None:
-        pytest.skip(f"int8 activations need the compiled linear_kquant: {kernels.failure('linear_kquant')}")
     loaded = random_llama(num_layers=2, hidden=256, heads=4, kv_heads=2, seed=3)
 
-    def packed(i, name, v):  # every layer matrix as random valid Q4_K blocks
+    def packed(i, name, v):
         layer_matrix = name.startswith("model.layers.") and v.dim() == 2
         return random_packed(*v.shape, "q4_k", seed=i, scale=0.002) if layer_matrix else v
     sd = {name: packed(i, name, v) for i, (name, v) in enumerate(loaded.state_dict.items())}
-    loaded = dataclasses.replace(loaded, state_dict=sd)
-    prompts = [[5, 9, 33, 2, 71], [11, 4], [100, 3, 8, 64, 27, 13, 90]]
-    check(loaded, prompts, 10, 2, fused_built("linear_kquant"), one_calls, packed_activations=acts)
+    return dataclasses.replace(loaded, state_dict=sd)
+
+
+KQUANT_PROMPTS = [[5, 9, 33, 2, 71], [11, 4], [100, 3, 8, 64, 27, 13, 90]]
+
+
+@pytest.mark.parametrize("acts", ["float", "int8"])
+def test_k_quant_products_fuse_too(acts, one_calls):
+    """Q4_K matrices: linear_kquant's products (fp32 or int8 activations) as compiled operations."""
+    if acts == "int8" and kernels.load("linear_kquant") is None:
+        pytest.skip(f"int8 activations need the compiled linear_kquant: {kernels.failure('linear_kquant')}")
+    fuses = fused_built("linear_kquant")
+    check(kquant_llama(), KQUANT_PROMPTS, 10, 2, fuses, one_calls, packed_activations=acts)
 
 
 def test_smollm2_defaults_fuse_every_layer(smollm2, one_calls):
@@ -202,9 +209,14 @@ def test_operations_refuse_what_they_do_not_take():
                         cache)
     with pytest.raises(RuntimeError, match="W holds 16 panel rows, not panels of 40"):
         q8.rows_op("linear_q8", w, 3, 32, 40, None)
-    with pytest.raises(RuntimeError, match=r"o and down give hidden \(32\) columns"):  # products of 16
-        ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 2, 1, "store_kv",
-                        cache)
+    wide = q8.rows_op("linear_q8", torch.zeros(32, 20, dtype=torch.uint8), 3, 32, 32, None)  # 32 columns
+    for o, down in ((product, wide), (wide, product)):  # either of 16 columns where the norms take 32
+        with pytest.raises(RuntimeError, match=r"o and down give hidden \(32\) columns"):
+            ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, o, product, down, decode, 2, 1, "store_kv",
+                            cache)
+    with pytest.raises(RuntimeError, match="the two norms' weights: contiguous CPU"):
+        ops.DecodeLayer(norm, 1e-5, torch.ones(64)[::2], 1e-5, product, wide, product, wide, decode, 2, 1,
+                        "store_kv", cache)
     with pytest.raises(RuntimeError, match=r"16 columns are not \(heads \+ 2 kv_heads\) heads"):
         ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 3, 1, "store_kv",
                         cache)
@@ -386,7 +398,7 @@ def test_a_stack_keeps_its_tensors_between_steps_and_hands_out_its_own_output():
     if not fused_built("linear_q8"):
         pytest.skip("needs the compiled layer_ops (a vector build), paged_attention and linear_q8 kernels")
     ops = kernels.load("layer_ops")
-    layers = decode_layers([96, 160, 96, 160])
+    layers = decode_layers([96, 96, 160, 96])  # two sets, the second's first layer the third
     stack = ops.DecodeStack(layers)
     assert stack.kept_rows == 0
     g = torch.Generator().manual_seed(1)
@@ -412,5 +424,17 @@ def test_a_stack_takes_layers_of_one_hidden_size():
     if not fused_built("linear_q8"):
         pytest.skip("needs the compiled layer_ops (a vector build), paged_attention and linear_q8 kernels")
     layers = decode_layers([96]) + decode_layers([96], hidden=128, heads=8, kv_heads=4)
-    with pytest.raises(RuntimeError, match="share one hidden size, not 64 and 128"):
+    with pytest.raises(RuntimeError, match="share one hidden size and dtype, not 64 Float and 128 Float"):
         kernels.load("layer_ops").DecodeStack(layers)
+
+
+@pytest.mark.parametrize("acts", ["float", "int8"])
+def test_k_quant_layers_run_in_one_call_too(acts, stack_calls):
+    """Q4_K matrices through the stack: linear_kquant's products write into the stack's kept tensors
+    (RowsOp::into) and give what the blocks one by one give, bit for bit."""
+    if acts == "int8" and kernels.load("linear_kquant") is None:
+        pytest.skip(f"int8 activations need the compiled linear_kquant: {kernels.failure('linear_kquant')}")
+    runs = three_ways(kquant_llama(), KQUANT_PROMPTS, 10, stack_calls, packed_activations=acts)
+    assert_same_outputs(runs["fused"][0], runs["unfused"][0])
+    assert_same_outputs(runs["fused"][0], runs["eager"][0])
+    assert bool(runs["fused"][2]) == fused_built("linear_kquant")

@@ -19,8 +19,8 @@ struct RowsOp {
   // N: the columns of y.
   virtual int64_t out_features() const = 0;
   // The same y written into out (fp32 [M, N], contiguous), for a caller that keeps its outputs
-  // between calls; a kernel whose entry makes its own output has it copied there.
-  virtual void into(const at::Tensor& x, const at::Tensor& out) const { out.copy_((*this)(x)); }
+  // between calls.
+  virtual void into(const at::Tensor& x, const at::Tensor& out) const = 0;
 };
 
 // Decode attention of q [B, H, D] over one layer's cache through the block tables [B, max blocks]
@@ -34,8 +34,10 @@ struct DecodeOp {
                     const at::Tensor& out) const = 0;
 };
 
-// A product kernel's entry that takes (x, W, its format, K, bias), with W and the rest bound.
-using ProductFn = at::Tensor (*)(at::Tensor, at::Tensor, int64_t, int64_t, c10::optional<at::Tensor>);
+// A product kernel's entry that takes (x, W, its format, K, bias, out) and returns y, in out
+// where it is defined (else a new tensor), with W and the rest bound.
+using ProductFn = at::Tensor (*)(const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                                 const c10::optional<at::Tensor>&, const at::Tensor&);
 struct BoundProduct final : RowsOp {
   ProductFn fn;
   at::Tensor w;
@@ -43,8 +45,9 @@ struct BoundProduct final : RowsOp {
   c10::optional<at::Tensor> bias;
   BoundProduct(ProductFn fn, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias)
       : fn(fn), w(std::move(w)), fmt(fmt), K(K), bias(std::move(bias)) {}
-  at::Tensor operator()(const at::Tensor& x) const override { return fn(x, w, fmt, K, bias); }
+  at::Tensor operator()(const at::Tensor& x) const override { return fn(x, w, fmt, K, bias, {}); }
   int64_t out_features() const override { return w.size(0); }  // W [N, a row's bytes] in these kernels
+  void into(const at::Tensor& x, const at::Tensor& out) const override { fn(x, w, fmt, K, bias, out); }
 };
 
 template <typename Op>

@@ -46,7 +46,6 @@
 #endif
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -100,8 +99,6 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor w, double eps) {
   return out;
 }
 
-// residual += x (rounded to the dtype, as torch's add rounds), then rms_norm(residual): the
-// residual stream's add and the next norm in one call. residual is updated in place.
 // add_rms_norm into out ([T, H] of x's dtype, contiguous, not x), on checked operands.
 void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, double eps,
                        const at::Tensor& out) {
@@ -122,6 +119,8 @@ void add_rms_norm_into(const at::Tensor& x, const at::Tensor& residual, const at
   });
 }
 
+// residual += x (rounded to the dtype, as torch's add rounds), then rms_norm(residual): the
+// residual stream's add and the next norm in one call. residual is updated in place.
 at::Tensor add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor w, double eps) {
   check_norm(x, w);
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() &&
@@ -170,9 +169,6 @@ at::Tensor rotate_halves(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   return out;
 }
 
-// q, k rotated and v, from a fused q|k|v product [T, (H + 2 KVH) D]: q [T, H, D] and k [T, KVH, D]
-// new tensors, v [T, KVH, D] a view of the product's last columns. One call for what took a
-// split, three views and two rotate_halves.
 void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H, int64_t KVH) {
   check_rows(qkv, "qkv");
   TORCH_CHECK(qkv.dim() == 2 && H > 0 && KVH > 0 && qkv.size(1) % (H + 2 * KVH) == 0 &&
@@ -184,6 +180,7 @@ void check_qkv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& s
 void rope_qkv_into(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, int64_t H,
                    int64_t KVH, const at::Tensor& q, const at::Tensor& k) {
   const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH), ld = qkv.stride(0);
+  if (T == 0) return;  // (an empty tensor's data pointer may be null: no offset from it)
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rope_qkv", [&] {
     const scalar_t* xp = qkv.data_ptr<scalar_t>();
     const scalar_t* cp = cos.data_ptr<scalar_t>();
@@ -199,6 +196,9 @@ at::Tensor v_of(const at::Tensor& qkv, int64_t H, int64_t KVH) {
   return qkv.narrow(1, (H + KVH) * D, KVH * D).view({T, KVH, D});
 }
 
+// q, k rotated and v, from a fused q|k|v product [T, (H + 2 KVH) D]: q [T, H, D] and k [T, KVH, D]
+// new tensors, v [T, KVH, D] a view of the product's last columns. One call for what took a
+// split, three views and two rotate_halves.
 std::vector<at::Tensor> rope_qkv(at::Tensor qkv, at::Tensor cos, at::Tensor sin, int64_t H, int64_t KVH) {
   check_qkv(qkv, cos, sin, H, KVH);
   const int64_t T = qkv.size(0), D = qkv.size(1) / (H + 2 * KVH);
@@ -547,12 +547,32 @@ at::Tensor argmax_rows(at::Tensor x) {
 }
 #endif
 
-// The tensors a decoder layer's step writes, for T rows (fp32): its norms' output h [T, hidden],
-// the q|k|v product [T, (H + 2 KVH) D] with q, k rotated [T, H, D], [T, KVH, D] and v its view,
-// the attention's output [T, H, D] (and as rows [T, H D]), o's product [T, hidden], gate|up's
-// [T, 2 I] and silu(gate) * up [T, I].
+// The tensors a decoder layer's step writes, for T rows (x's dtype, fp32: the products take no
+// other): its norms' output h [T, hidden], the q|k|v product [T, (H + 2 KVH) D] with q, k
+// rotated [T, H, D], [T, KVH, D] and v its view, the attention's output [T, H, D] (and as rows
+// [T, H D]), o's product [T, hidden], gate|up's [T, 2 I] and silu(gate) * up [T, I].
 struct LayerTensors {
   at::Tensor h, qkv, q, k, v, attended, attended_rows, o, gate_up, act;
+
+  // Their first T rows (views).
+  LayerTensors first(int64_t T) const {
+    const auto rows = [T](const at::Tensor& a) { return a.narrow(0, 0, T); };
+    LayerTensors t;
+    t.h = rows(h), t.qkv = rows(qkv), t.q = rows(q), t.k = rows(k), t.v = rows(v);
+    t.attended = rows(attended), t.attended_rows = rows(attended_rows), t.o = rows(o);
+    t.gate_up = rows(gate_up), t.act = rows(act);
+    return t;
+  }
+};
+
+// What sizes a decoder layer's tensors: its hidden size, the q|k|v product's columns, heads, K/V
+// heads and the gate|up product's columns.
+struct LayerShape {
+  int64_t hidden, qkv, heads, kv_heads, gate_up;
+  bool operator==(const LayerShape& o) const {
+    return hidden == o.hidden && qkv == o.qkv && heads == o.heads && kv_heads == o.kv_heads &&
+           gate_up == o.gate_up;
+  }
 };
 
 // A pre-norm decoder layer's decode step in one call: what the fast path's blocks call one by one
@@ -582,8 +602,10 @@ class DecodeLayer {
                 cache_[0].scalar_type());
     TORCH_CHECK(heads_ > 0 && kv_heads_ > 0 && heads_ % kv_heads_ == 0, "heads (", heads_,
                 ") must be a positive multiple of kv_heads (", kv_heads_, ")");
+    TORCH_CHECK(w1_.dim() == 1 && w1_.is_contiguous() && w2_.is_contiguous() && w2_.sizes() == w1_.sizes() &&
+                w2_.scalar_type() == w1_.scalar_type() && w1_.device().is_cpu() && w2_.device().is_cpu(),
+                "the two norms' weights: contiguous CPU [hidden], of one dtype");
     const int64_t qkv_n = qkv_->out_features(), hidden = w1_.size(0);
-    TORCH_CHECK(w1_.dim() == 1 && w2_.sizes() == w1_.sizes(), "the two norms' weights [hidden] alike");
     TORCH_CHECK(qkv_n % (heads_ + 2 * kv_heads_) == 0 && (qkv_n / (heads_ + 2 * kv_heads_)) % 2 == 0,
                 "the q|k|v product's ", qkv_n, " columns are not (heads + 2 kv_heads) heads of an even size");
     TORCH_CHECK(o_->out_features() == hidden && down_->out_features() == hidden &&
@@ -607,12 +629,11 @@ class DecodeLayer {
     return {out, r};
   }
 
-  // What sizes the tensors of its step: hidden, the q|k|v product's columns, heads, K/V heads and
-  // the gate|up product's columns.
-  using Shape = std::array<int64_t, 5>;
-  Shape shape() const {
+  LayerShape shape() const {
     return {w1_.size(0), qkv_->out_features(), heads_, kv_heads_, gate_up_->out_features()};
   }
+
+  at::ScalarType dtype() const { return w1_.scalar_type(); }  // its norms' weights', its input's
 
   // x as this layer's input: [T, hidden] of its weights' dtype, rows contiguous.
   void check_x(const at::Tensor& x) const { check_norm(x, w1_); }
@@ -682,32 +703,36 @@ class DecodeStack {
  public:
   explicit DecodeStack(std::vector<pybind11::object> layers) : held_(std::move(layers)) {
     TORCH_CHECK(!held_.empty(), "a DecodeStack takes one DecodeLayer or more");
-    std::vector<DecodeLayer::Shape> shapes;  // one a set of kept tensors
+    std::vector<LayerShape> shapes;  // one a set of kept tensors
     for (const auto& o : held_) {
       if (!pybind11::isinstance<DecodeLayer>(o))
         throw pybind11::type_error("a DecodeStack takes DecodeLayer objects, not " +
                                    std::string(pybind11::str(pybind11::type::of(o))));
       layers_.push_back(o.cast<const DecodeLayer*>());
-      const auto shape = layers_.back()->shape();
-      TORCH_CHECK(shape[0] == layers_[0]->shape()[0], "the layers of a stack share one hidden size, not ",
-                  layers_[0]->shape()[0], " and ", shape[0]);
+      const LayerShape shape = layers_.back()->shape();
+      const DecodeLayer& one = *layers_[0];
+      TORCH_CHECK(shape.hidden == one.shape().hidden && layers_.back()->dtype() == one.dtype(),
+                  "the layers of a stack share one hidden size and dtype, not ", one.shape().hidden, " ",
+                  one.dtype(), " and ", shape.hidden, " ", layers_.back()->dtype());
       const auto found = std::find(shapes.begin(), shapes.end(), shape);
-      set_.push_back(found - shapes.begin());
+      set_.push_back(static_cast<size_t>(found - shapes.begin()));
       if (found == shapes.end()) shapes.push_back(shape);
     }
     kept_.resize(shapes.size());
   }
 
   // x [T, hidden] (contiguous): the embeddings, which become the residual stream (updated in
-  // place); returns the last layer's output and the residual stream.
+  // place); returns the last layer's output and the residual stream. The kept tensors are the
+  // stack's own state: the call holds the GIL throughout (nothing here releases it), so no two
+  // steps run through one stack at once.
   std::pair<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor cos, at::Tensor sin, at::Tensor slots,
                                             at::Tensor tables, at::Tensor lens, int64_t window) {
-    for (const auto* layer : layers_) layer->check_x(x);
+    layers_[0]->check_x(x);  // (every layer's weights are of its shape and dtype)
     TORCH_CHECK(x.is_contiguous(), "x: contiguous [T, hidden]");
     const int64_t T = x.size(0);
-    if (kept_rows() < T || !y_.defined() || y_.scalar_type() != x.scalar_type()) keep(T, x.options());
+    if (!y_.defined() || kept_rows() < T) keep(T, x.options());
     std::vector<LayerTensors> sets;
-    for (const auto& k : kept_) sets.push_back(first_rows(k, T));
+    for (const auto& k : kept_) sets.push_back(k.first(T));
     const at::Tensor between = y_.narrow(0, 0, T), last = at::empty_like(x);
     for (size_t i = 0; i < layers_.size(); ++i)
       layers_[i]->step(i == 0 ? x : between, x, i == 0, cos, sin, slots, tables, lens, window, sets[set_[i]],
@@ -727,13 +752,7 @@ class DecodeStack {
       const size_t i = std::find(set_.begin(), set_.end(), j) - set_.begin();  // set j's first layer
       kept_[j] = layers_[i]->tensors(T, options);
     }
-    y_ = at::empty({T, layers_[0]->shape()[0]}, options);
-  }
-
-  static LayerTensors first_rows(const LayerTensors& k, int64_t T) {
-    const auto first = [T](const at::Tensor& a) { return a.narrow(0, 0, T); };
-    return {first(k.h), first(k.qkv), first(k.q), first(k.k), first(k.v), first(k.attended),
-            first(k.attended_rows), first(k.o), first(k.gate_up), first(k.act)};
+    y_ = at::empty({T, layers_[0]->shape().hidden}, options);
   }
 
   std::vector<pybind11::object> held_;  // the DecodeLayer objects, kept alive here

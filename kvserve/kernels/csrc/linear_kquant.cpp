@@ -1343,13 +1343,15 @@ void check(const at::Tensor& w, int64_t fmt, int64_t K) {
 using kvserve::bias_ptr;  // linear_operands.h
 using kvserve::checked_x;
 
-at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+// y = x @ W^T (+ bias) with fp32 x, into out where it is given (else a new tensor).
+at::Tensor linear_quant_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   check(w, fmt, K);
   auto xc = checked_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor keep;
   const float* b = bias_ptr(bias, N, keep);
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvserve::output_rows(out, M, N, x);
   if (M == 0 || N == 0) return y;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1360,13 +1362,20 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10:
   return y;
 }
 
-at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+  return linear_quant_into(x, w, fmt, K, bias, {});
+}
+
+// y = x @ W^T (+ bias) with x quantized to 8 bits a block, into out where it is given (else a new
+// tensor).
+at::Tensor linear_q8_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                          const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   check(w, fmt, K);
   auto xc = checked_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor keep;
   const float* b = bias_ptr(bias, N, keep);
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvserve::output_rows(out, M, N, x);
   if (M == 0 || N == 0) return y;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -1375,6 +1384,10 @@ at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::op
   KQ_DISPATCH(fmt, KQ_LINEAR_Q8)
 #undef KQ_LINEAR_Q8
   return y;
+}
+
+at::Tensor linear_q8(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+  return linear_q8_into(x, w, fmt, K, bias, {});
 }
 
 template <typename out_t>
@@ -1403,7 +1416,7 @@ pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, in
   TORCH_CHECK(name == "linear_quant" || name == "linear_q8",
               "this kernel's products are linear_quant or linear_q8, not ", name);
   check(w, fmt, K);
-  const kvserve::ProductFn fn = name == "linear_q8" ? linear_q8 : linear_quant;
+  const kvserve::ProductFn fn = name == "linear_q8" ? linear_q8_into : linear_quant_into;
   return kvserve::product_capsule(fn, w, fmt, K, bias);
 }
 

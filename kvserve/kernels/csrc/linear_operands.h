@@ -21,4 +21,14 @@ inline const float* bias_ptr(const c10::optional<at::Tensor>& bias, int64_t N, a
   return keep.data_ptr<float>();
 }
 
+// The product's output y [M, N]: `out` where one is given (fp32 [M, N], contiguous, on CPU: a
+// tensor its caller keeps between calls), else a new tensor of x's options.
+inline at::Tensor output_rows(const at::Tensor& out, int64_t M, int64_t N, const at::Tensor& x) {
+  if (!out.defined()) return at::empty({M, N}, x.options());
+  TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == at::kFloat && out.dim() == 2 &&
+              out.size(0) == M && out.size(1) == N && out.is_contiguous(),
+              "out: fp32 [M, N] contiguous on CPU");
+  return out;
+}
+
 }  // namespace kvserve

@@ -1078,10 +1078,7 @@ Operands operands(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t
   o.x = kvserve::checked_x(x, K);
   o.M = x.size(0);
   o.bias = kvserve::bias_ptr(bias, N, o.holder);
-  if (y.defined())
-    TORCH_CHECK(y.device().is_cpu() && y.scalar_type() == at::kFloat && y.dim() == 2 && y.size(0) == o.M &&
-                y.size(1) == N && y.is_contiguous(), "out: fp32 [M, N] contiguous on CPU");
-  o.y = y.defined() ? y : at::empty({o.M, N}, x.options());
+  o.y = kvserve::output_rows(y, o.M, N, x);
   return o;
 }
 

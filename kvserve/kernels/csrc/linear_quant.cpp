@@ -260,13 +260,15 @@ std::string isa() {
 #endif
 }
 
-at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+// y = x @ W^T (+ bias), into out where it is given (else a new tensor).
+at::Tensor linear_quant_into(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K,
+                             const c10::optional<at::Tensor>& bias, const at::Tensor& out) {
   check(w, fmt, K);
   auto xc = kvserve::checked_x(x, K);
   const int64_t M = x.size(0), N = w.size(0);
   at::Tensor bc;
   const float* b = kvserve::bias_ptr(bias, N, bc);
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvserve::output_rows(out, M, N, x);
   if (M == 0) return y;
   const float* xp = xc.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -275,6 +277,10 @@ at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10:
   else if (fmt == kQ4_0) linear_fmt<kQ4_0>(xp, wp, b, yp, M, N, K);
   else linear_fmt<kQ4_1>(xp, wp, b, yp, M, N, K);
   return y;
+}
+
+at::Tensor linear_quant(at::Tensor x, at::Tensor w, int64_t fmt, int64_t K, c10::optional<at::Tensor> bias) {
+  return linear_quant_into(x, w, fmt, K, bias, {});
 }
 
 template <typename out_t>
@@ -302,7 +308,7 @@ pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, in
                           c10::optional<at::Tensor> bias) {
   TORCH_CHECK(name == "linear_quant", "this kernel's product is linear_quant, not ", name);
   check(w, fmt, K);
-  return kvserve::product_capsule(linear_quant, w, fmt, K, bias);
+  return kvserve::product_capsule(linear_quant_into, w, fmt, K, bias);
 }
 
 }  // namespace

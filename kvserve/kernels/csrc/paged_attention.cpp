@@ -979,6 +979,9 @@ Call prepare(const at::Tensor& q, const at::Tensor& cache, const at::Tensor& tab
   TORCH_CHECK(q.dim() == 3 && cache.dim() == 4, "q [B, H, D] and a cache [num_blocks, BS, KVH, ...]");
   TORCH_CHECK(cache.is_contiguous(), "a contiguous cache");
   TORCH_CHECK(tables.scalar_type() == at::kLong && lens.scalar_type() == at::kLong, "int64 tables and lengths");
+  const int64_t B = q.size(0);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == B && lens.dim() == 1 && lens.size(0) == B,
+              "tables [B, max blocks] and lens [B] for q's B rows");
   TORCH_CHECK(window >= 0, "window must be >= 0 (0: none)");
   if (out.defined())
     TORCH_CHECK(out.device().is_cpu() && out.scalar_type() == q.scalar_type() && out.sizes() == q.sizes() &&
