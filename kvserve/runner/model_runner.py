@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
@@ -110,6 +111,10 @@ class ModelRunner:
         self.fast_path: dict[str, list[str]] = {}
         self.fused_layers = True  # whether the fast path may run a decoder layer as one call (use_fast_path)
         self.use_fast_path(True)
+        # The fast path's functions, bound into the model's modules, hold the model (and the cache
+        # tensors its layers' compiled calls keep) in reference cycles: unbound when the runner
+        # goes, so that a dropped engine's cache is freed then, not at some later collection.
+        weakref.finalize(self, unbind_fast_path, model)
         # told (request ids, logits [N, vocab]) of each sampled row: tests and tooling
         self.on_logits: Observers[[list[str], torch.Tensor]] = Observers()
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled

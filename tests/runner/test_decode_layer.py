@@ -438,3 +438,23 @@ def test_k_quant_layers_run_in_one_call_too(acts, stack_calls):
     assert_same_outputs(runs["fused"][0], runs["unfused"][0])
     assert_same_outputs(runs["fused"][0], runs["eager"][0])
     assert bool(runs["fused"][2]) == fused_built("linear_kquant")
+
+
+def test_a_dropped_engine_frees_its_model_and_cache_at_once():
+    """The fast path's functions, bound into the model's modules (and the layers' compiled calls,
+    which keep the cache's tensors), hold the model in reference cycles; the runner unbinds them
+    as it goes, so a dropped engine's model and KV cache are freed at once, with no collection."""
+    import gc
+    import weakref
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=9)
+    gc.collect()
+    gc.disable()
+    try:
+        engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8")
+        run_collecting_logits(engine, [[3, 5, 7], [11, 2]], greedy(4, ignore_eos=True))
+        model = weakref.ref(engine.model)
+        cache = [weakref.ref(t) for group in engine.runner.storage.tensors for t in group.values()]
+        del engine
+        assert model() is None and cache and all(t() is None for t in cache)
+    finally:
+        gc.enable()
