@@ -127,7 +127,7 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
     path.parent.mkdir(exist_ok=True)
     path.write_text(json.dumps({"prompts": w.prompts, "output_lens": w.output_lens}))
     runs: dict[str, list[float]] = {}
-    gc.collect()  # the batch-1 engines (and their KV caches) before the first run, not during it
+    gc.collect()  # what the batch-1 engines left in reference cycles, before the first run
     peer_dtype, why = vllm_dtype()
     peer = f"vLLM-CPU {peer_dtype}"
     print(f"vLLM-CPU runs in {peer_dtype}: {why}")
@@ -137,8 +137,8 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
                 "max_model_len": 1024, "max_num_seqs": len(w.prompts), "enable_prefix_caching": False,
                 **options_of(flags)})
             runs.setdefault(name, []).append(run_kvserve(engine, w)["output_tokens_per_s"])
-            # the model's fast-path closures hold it (and its 1.5 GB KV cache) in reference cycles:
-            # freed here, not by a collection during the next contender's run
+            # its model and 1.5 GB KV cache freed now (the runner unbinds the fast path as it goes),
+            # and what else it left in reference cycles collected before the next contender runs
             del engine
             gc.collect()
         if reason is None:
