@@ -78,6 +78,12 @@ class CacheLayout:
         return self.group_sinks[group] if self.group_sinks else 0
 
 
+def release_fast_path(model: LlamaForCausalLM, runner_id: int) -> None:
+    """The model's fast path unbound, where the runner that went (runner_id) bound it last."""
+    if getattr(model, "fast_path_runner", None) == runner_id:
+        unbind_fast_path(model)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, storage: Optional[KVStorage],
                  swap_storage: Optional[KVStorage], layout: CacheLayout, seed: int = 0,
@@ -113,8 +119,9 @@ class ModelRunner:
         self.use_fast_path(True)
         # The fast path's functions, bound into the model's modules, hold the model (and the cache
         # tensors its layers' compiled calls keep) in reference cycles: unbound when the runner
-        # goes, so that a dropped engine's cache is freed then, not at some later collection.
-        weakref.finalize(self, unbind_fast_path, model)
+        # goes, so that a dropped engine's cache is freed then, not at some later collection (not
+        # at the interpreter's exit, where nothing is left to free).
+        weakref.finalize(self, release_fast_path, model, id(self)).atexit = False
         # told (request ids, logits [N, vocab]) of each sampled row: tests and tooling
         self.on_logits: Observers[[list[str], torch.Tensor]] = Observers()
         # called with (stage, the step's sequences) at "forward" and after plain rows are sampled
@@ -141,6 +148,7 @@ class ModelRunner:
             env = FastPathEnv(self.device, self.model.dtype, kernels.load("layer_ops"), self.storage, fused,
                               stacked)
             self.fast_path = bind_fast_path(self.model, env)
+            self.model.fast_path_runner = id(self)
         return self.fast_path
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:

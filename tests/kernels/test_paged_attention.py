@@ -214,3 +214,16 @@ def test_queries_of_any_layout_give_row_major_outputs(module, fmt):
         out = kernel(q, *storage.decode_operands(0), tables, lens, D ** -0.5, 0)
         assert out.is_contiguous() and torch.equal(out, kernel(q.contiguous(), *storage.decode_operands(0), tables,
                                                                lens, D ** -0.5, 0))
+
+
+@pytest.mark.parametrize("fmt", ["float32", "int8"])
+def test_tables_and_lengths_of_other_rows_than_q_are_refused(module, fmt):
+    """A block table or a length for each of q's rows, no fewer and no other shape: read as given,
+    a short one would have been read past its end."""
+    H, KVH, D = SHAPES["d64"]
+    storage, table = filled(fmt, KVH, D, 40)
+    q, tables, lens = torch.randn(2, H, D), table.expand(2, -1).contiguous(), torch.tensor([40, 17])
+    kernel = decode_kernel(module, storage)
+    for t, n in ((tables[:1], lens), (tables, lens[:1]), (tables, lens[:, None]), (tables[0], lens)):
+        with pytest.raises(RuntimeError, match="tables \\[B, max blocks\\] and lens \\[B\\] for q's B rows"):
+            kernel(q, *storage.decode_operands(0), t, n, D ** -0.5, 0)

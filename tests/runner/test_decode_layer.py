@@ -214,9 +214,9 @@ def test_operations_refuse_what_they_do_not_take():
         with pytest.raises(RuntimeError, match=r"o and down give hidden \(32\) columns"):
             ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, o, product, down, decode, 2, 1, "store_kv",
                             cache)
-    with pytest.raises(RuntimeError, match="the two norms' weights: contiguous CPU"):
-        ops.DecodeLayer(norm, 1e-5, torch.ones(64)[::2], 1e-5, product, wide, product, wide, decode, 2, 1,
-                        "store_kv", cache)
+    for w1, w2 in ((norm, torch.ones(64)[::2]), (torch.ones(64)[::2], norm), (norm, norm.double())):
+        with pytest.raises(RuntimeError, match="the two norms' weights: contiguous CPU"):
+            ops.DecodeLayer(w1, 1e-5, w2, 1e-5, product, wide, product, wide, decode, 2, 1, "store_kv", cache)
     with pytest.raises(RuntimeError, match=r"16 columns are not \(heads \+ 2 kv_heads\) heads"):
         ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 3, 1, "store_kv",
                         cache)
@@ -363,7 +363,8 @@ def test_a_stack_takes_decode_layers_only():
         ops.DecodeStack([])
 
 
-def decode_layers(intermediates, hidden=64, heads=4, kv_heads=2, blocks=12, block_size=16, seed=0):
+def decode_layers(intermediates, hidden=64, heads=4, kv_heads=2, blocks=12, block_size=16, seed=0,
+                  norm_dtype=torch.float32):
     """layer_ops DecodeLayers over linear_q8 products of random Q8_0 weights (one MLP width a
     layer) and each a dense fp32 cache of random K/V, built from the kernels' operations directly."""
     from kvserve.models.packed import FORMATS, quantize
@@ -381,7 +382,7 @@ def decode_layers(intermediates, hidden=64, heads=4, kv_heads=2, blocks=12, bloc
     layers = []
     for i in intermediates:
         cache = [torch.randn(blocks, block_size, kv_heads, D, generator=g) for _ in range(2)]
-        norms = [1 + 0.1 * torch.randn(hidden, generator=g) for _ in range(2)]
+        norms = [(1 + 0.1 * torch.randn(hidden, generator=g)).to(norm_dtype) for _ in range(2)]
         qkv, o = product((heads + 2 * kv_heads) * D, hidden), product(hidden, hidden)
         gate_up, down = product(2 * i, hidden), product(hidden, i)
         decode = attention.decode_op("dense", cache, D ** -0.5)
@@ -426,6 +427,9 @@ def test_a_stack_takes_layers_of_one_hidden_size():
     layers = decode_layers([96]) + decode_layers([96], hidden=128, heads=8, kv_heads=4)
     with pytest.raises(RuntimeError, match="share one hidden size and dtype, not 64 Float and 128 Float"):
         kernels.load("layer_ops").DecodeStack(layers)
+    layers = decode_layers([96]) + decode_layers([96], norm_dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="share one hidden size and dtype, not 64 Float and 64 Double"):
+        kernels.load("layer_ops").DecodeStack(layers)
 
 
 @pytest.mark.parametrize("acts", ["float", "int8"])
@@ -447,14 +451,36 @@ def test_a_dropped_engine_frees_its_model_and_cache_at_once():
     import gc
     import weakref
     loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=9)
+    was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8")
+        if not engine.runner.fast_path:
+            pytest.skip("nothing binds without the compiled kernels: no cycles to break")
         run_collecting_logits(engine, [[3, 5, 7], [11, 2]], greedy(4, ignore_eos=True))
         model = weakref.ref(engine.model)
-        cache = [weakref.ref(t) for group in engine.runner.storage.tensors for t in group.values()]
-        del engine
+        tensors = [t for group in engine.runner.storage.tensors for t in group.values()]
+        cache = [weakref.ref(t) for t in tensors + [t._base for t in tensors if t._base is not None]]
+        del engine, tensors
         assert model() is None and cache and all(t() is None for t in cache)
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
+
+
+def test_a_runner_unbinds_only_the_fast_path_it_bound():
+    """A runner that goes leaves a model another runner bound since as that runner bound it."""
+    from kvserve.runner.model_runner import release_fast_path
+    loaded = random_llama(num_layers=2, hidden=64, heads=4, kv_heads=2, seed=9)
+    engine = make_engine(loaded, max_num_seqs=2, weight_dtype="int8")
+
+    def bound(model):  # the modules whose forward the fast path binds in their instance dict
+        return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+    before = bound(engine.model)
+    if not before:
+        pytest.skip("nothing binds without the compiled kernels")
+    release_fast_path(engine.model, id(engine.runner) + 1)  # another runner's going
+    assert bound(engine.model) == before
+    release_fast_path(engine.model, id(engine.runner))
+    assert bound(engine.model) == []
