@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -62,12 +63,15 @@ class LoRALinear(DirectCall, nn.Module):
         self.layer_idx = layer_idx
         self.parts = parts  # (module name, first column, one past the last) in the product
         self.key = (layer_idx, tuple(name for name, _, _ in parts))
-        self.owner = [owner]  # not a submodule
+        # not a submodule, and held weakly: the set holds its wrappers, and a cycle would keep a
+        # dropped engine's model until a collection (a wrapper whose set is gone adds nothing)
+        self.owner = weakref.ref(owner)
         self.in_features, self.out_features = base.in_features, base.out_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base.forward(x)  # [T, out]
-        for adapter, rows in self.owner[0].step:  # empty without adapter rows
+        owner = self.owner()
+        for adapter, rows in owner.step if owner is not None else ():  # empty without adapter rows
             pair = adapter.products.get(self.key)
             if pair is None:
                 continue

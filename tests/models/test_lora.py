@@ -156,11 +156,12 @@ def test_fused_products_take_each_modules_delta_on_its_columns():
     weights = {(0, n): (torch.randn(4, 64, generator=g), torch.randn(sizes[n], 4, generator=g))
                for n in ("q_proj", "v_proj")}
 
-    class Step:
+    class Step:  # the adapter set's part a wrapper reads (held weakly by it: kept here)
         step = []
-    wrapped = LoRALinear(group.fused, 0, [("q_proj", 0, 64), ("k_proj", 64, 96), ("v_proj", 96, 128)], Step())
+    owner = Step()
+    wrapped = LoRALinear(group.fused, 0, [("q_proj", 0, 64), ("k_proj", 64, 96), ("v_proj", 96, 128)], owner)
     adapter = LoRAAdapter("a", 1, "/a", 4, 0.5, weights, {wrapped.key: stack_pairs(weights, wrapped)})
-    Step.step = [(adapter, torch.tensor([1, 3]))]
+    owner.step = [(adapter, torch.tensor([1, 3]))]
     x = torch.randn(4, 64, generator=g)
     got = wrapped(x)
     for rows, adapted in (([0, 2], False), ([1, 3], True)):
@@ -285,3 +286,24 @@ def test_the_host_tier_keeps_adapters_apart_and_a_disk_tier_is_refused(setup, tm
     assert engine.tiers is not None
     with pytest.raises(ValueError, match="kv-cache-dir"):
         make_engine(setup["loaded"], lora_modules=modules, kv_cache_dir=str(tmp_path))
+
+
+def test_a_dropped_lora_engine_frees_its_wrapped_products_at_once(setup):
+    """The adapter set holds its wrappers and each wrapper its set only weakly: no reference cycle
+    keeps a dropped engine's wrapped products (and the weights they hold) until a collection."""
+    import gc
+    import weakref
+    was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        engine = lora_engine(setup)
+        run_collecting_logits(engine, PROMPTS[:2], SamplingParams(temperature=0, max_tokens=3,
+                                                                  lora_request=LoRARequest("a1")))
+        held = [weakref.ref(engine.model)] + [weakref.ref(m) for m in engine.model.modules()
+                                              if isinstance(m, LoRALinear)]
+        del engine
+        assert len(held) > 1 and all(m() is None for m in held)
+    finally:
+        if was_enabled:
+            gc.enable()
