@@ -318,6 +318,12 @@ at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
   return silu_mul_at(g, 0, u, 0, g.size(0), g.size(1));
 }
 
+// silu_mul_halves into out [T, I] where it is given (else a new tensor), on a checked gu.
+at::Tensor silu_mul_halves_into(const at::Tensor& gu, const at::Tensor& out) {
+  const int64_t I = gu.size(1) / 2;
+  return silu_mul_at(gu, 0, gu, I, gu.size(0), I, out);
+}
+
 // silu(gate) * up from a fused gate|up product [T, 2 I] (gate the first I columns): one call
 // for what took a split and silu_mul. The halves are read in place, not as two narrowed views
 // (each view a tensor made): one row of SmolLM2's 2 x 1536 took 3.9 us a call through the views
@@ -325,8 +331,7 @@ at::Tensor silu_mul(at::Tensor g, at::Tensor u) {
 at::Tensor silu_mul_halves(at::Tensor gu) {
   check_rows(gu, "gate|up");
   TORCH_CHECK(gu.dim() == 2 && gu.size(1) % 2 == 0, "gate|up [T, 2 I]");
-  const int64_t I = gu.size(1) / 2;
-  return silu_mul_at(gu, 0, gu, I, gu.size(0), I);
+  return silu_mul_halves_into(gu, {});
 }
 
 // One token's K or V row (n values, `bytes` bytes) into its slot: copied, or with `round` fp32
@@ -672,8 +677,7 @@ class DecodeLayer {
     o_->into(t.attended_rows, t.o);
     add_rms_norm_into(t.o, r, w2_, eps2_, t.h);
     gate_up_->into(t.h, t.gate_up);
-    const int64_t I = t.act.size(1);
-    silu_mul_at(t.gate_up, 0, t.gate_up, I, t.gate_up.size(0), I, t.act);
+    silu_mul_halves_into(t.gate_up, t.act);
     down_->into(t.act, out);
   }
 
