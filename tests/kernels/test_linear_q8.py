@@ -91,7 +91,8 @@ def test_products_equal_the_reference(isa, fmt, n, k):
 def test_rows_around_the_amx_threshold(isa, fmt, n, k, threads):
     """Row counts below, at and well above where AMX takes over (32 rows, 16 for Q8_0: whole tiles
     of 16 rows on AMX, the rows left on VNNI), odd N (a last panel of one row), bias or not: every
-    path's products are the reference's."""
+    path's products are the reference's. Past 256 rows a task sweeps a chunk of 256 rows: 257 and
+    515 rows end in a chunk of one and of three rows."""
     if isa == "portable" and n * k > 100_000:
         pytest.skip("the scalar loop: the smaller shapes cover its tiles")
     kernel = compiled_kernel("linear_q8", isa)
@@ -99,7 +100,7 @@ def test_rows_around_the_amx_threshold(isa, fmt, n, k, threads):
     panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
     w = dequantize_torch(p.data, p.fmt, k)
     g = torch.Generator().manual_seed(threads)
-    for m in (1, 15, 16, 17, 31, 32, 33, 64, 100, 257):
+    for m in (1, 15, 16, 17, 31, 32, 33, 64, 100, 257, 515):
         x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
         x[-1, -32:] = 0  # a block of zeros (dx = 0) in the rows left after the tiles
         bias = torch.randn(n, generator=g) if m % 2 else None

@@ -32,9 +32,10 @@
 // instructions), and a portable loop over the same layout (setup.py builds this file once
 // per level; `isa()` names the build). Runs of W rows (32 with AVX-512, 16 with AVX2) are split
 // over threads (one parallel region: each thread its share of the runs, then the runs left in the
-// others' shares as it finishes, parallel_tasks.h); each sweeps every row of x, four
-// at a time, so a weight loaded serves four rows, and the one to three rows left in one more
-// pass (a tile of that many rows, not a pass a row).
+// others' shares as it finishes, parallel_tasks.h); each sweeps every row of x (past 256 rows,
+// a chunk of 256: a task is a run by a chunk), four at a time, so a weight loaded serves four
+// rows, and the one to three rows left in one more pass (a tile of that many rows, not a pass a
+// row).
 //
 // AMX-INT8 (the amx build; from 32 rows of x, 16 for Q8_0, where it starts to beat VNNI): a
 // panel's block is already a B tile of the int8 tile product (8 rows of 64 bytes, 4 K bytes of
@@ -72,6 +73,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__)
@@ -99,13 +101,37 @@ inline float half_at(const uint8_t* p) {
   return c10::detail::fp16_ieee_to_fp32_value(h);
 }
 
+// Vectors whose new elements are left unwritten (std::allocator's value-initialize them): a
+// call's quantized x is written whole before it is read, and zeroing it first had cost 1.25% of
+// a prefill step of 2048 tokens (memset, perf: 3 MB a product at K = 1536).
+template <typename T>
+struct Unwritten : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = Unwritten<U>;
+  };
+  Unwritten() = default;
+  template <typename U>
+  Unwritten(const Unwritten<U>&) noexcept {}
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using Buffer = std::vector<T, Unwritten<T>>;
+
 // x [M, K] quantized per block: xq [M, K] int8 (x's order), dx, sumq and dx * sumq [M, nb].
 struct QuantizedX {
   int64_t rows = 0;  // M
-  std::vector<int8_t> xq;
-  std::vector<float> dx, sx;
-  std::vector<int32_t> sumq;
-  std::vector<float> dx_tiles, sx_tiles;  // AMX only: dx and sx by tiles of 16 rows, [M / 16, nb, 16]
+  Buffer<int8_t> xq;
+  Buffer<float> dx, sx;
+  Buffer<int32_t> sumq;
+  Buffer<float> dx_tiles, sx_tiles;  // AMX only: dx and sx by tiles of 16 rows, [M / 16, nb, 16]
 };
 
 #if defined(__AVX512VNNI__)
@@ -459,23 +485,33 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
 constexpr int kLanes = kPanel, kRowTile = 4, kColTile = 1, kUnit = 2;
 #endif
 
-// Every row of x times NV vectors of W rows from n0: kRowTile rows at a time by kColTile
-// vectors; the one to three rows left in one more pass (a single row by all NV at once).
+// Rows m_begin..m_end of x times NV vectors of W rows from n0: kRowTile rows at a time by
+// kColTile vectors; the one to three rows left in one more pass (a single row by all NV at once).
 template <int FMT, int NV>
-void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t M, int64_t K, const Out& out, int64_t n0) {
+void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m_begin, int64_t m_end, int64_t K,
+                const Out& out, int64_t n0) {
   static_assert(NV % kColTile == 0 || NV < kColTile, "a unit is whole tiles");
   constexpr int kTile = NV < kColTile ? NV : kColTile;
-  int64_t m0 = 0;
-  for (; m0 + kRowTile <= M; m0 += kRowTile)
+  int64_t m0 = m_begin;
+  for (; m0 + kRowTile <= m_end; m0 += kRowTile)
     for (int v = 0; v < NV; v += kTile) tile<FMT, kRowTile, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes);
   static_assert(kRowTile == 4, "the rows left are one to three");
-  switch (M - m0) {
+  switch (m_end - m0) {
     case 1: tile<FMT, 1, NV>(w, pb, q, m0, K, out, n0); break;
     case 2: for (int v = 0; v < NV; v += kTile) tile<FMT, 2, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
     case 3: for (int v = 0; v < NV; v += kTile) tile<FMT, 3, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
     default: break;
   }
 }
+
+// Rows of x a task sweeps where x has more (a multiple of kRowTile). A task that swept every row
+// read all of x for each run of W rows: 1.2 MB at 2048 rows of 576, more than a core's L2 here,
+// so from L3 each time, and the last task of a call (0.27 ms at 2048 rows) left the other thread
+// waiting. With tasks of a run by 256 rows, x's rows stay in L2 across the runs of one thread's
+// tasks and the threads finish within a smaller task of each other. SmolLM2's four Q4_1
+// products of a layer (AMD EPYC Zen 4, 2 threads, each the median of 5-9 calls): 2048 rows
+// 26.5 ms against 27.5 with every row a task's, 512 rows 6.16 against 6.43; 64 rows unchanged.
+constexpr int64_t kChunkRows = 256;
 
 template <int FMT>
 void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M, int64_t K) {
@@ -491,12 +527,16 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   // outputs equal), time over the fixed split's: 1 row of x 0.93-1.02 in nine runs (median
   // 0.99: within one run's noise), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows 0.93-1.00
   // (six runs each), 512 rows 0.98 (one).
-  kvserve::parallel_stealing(units, grain, [&](int64_t u) {
-    const int64_t v0 = u * kUnit;
+  // Past kChunkRows rows a task is a unit by a chunk of rows, the units of a chunk consecutive.
+  const int64_t chunks = M > kChunkRows ? (M + kChunkRows - 1) / kChunkRows : 1;
+  const int64_t chunk_rows = chunks > 1 ? kChunkRows : M;
+  kvserve::parallel_stealing(units * chunks, grain, [&](int64_t task) {
+    const int64_t u = task % units, m_begin = task / units * chunk_rows;
+    const int64_t m_end = std::min(M, m_begin + chunk_rows), v0 = u * kUnit;
     if (v0 + kUnit <= vectors) {
-      sweep_rows<FMT, kUnit>(w, pb, q, M, K, out, v0 * kLanes);
+      sweep_rows<FMT, kUnit>(w, pb, q, m_begin, m_end, K, out, v0 * kLanes);
     } else {
-      for (int64_t v = v0; v < vectors; ++v) sweep_rows<FMT, 1>(w, pb, q, M, K, out, v * kLanes);
+      for (int64_t v = v0; v < vectors; ++v) sweep_rows<FMT, 1>(w, pb, q, m_begin, m_end, K, out, v * kLanes);
     }
   });
 }
