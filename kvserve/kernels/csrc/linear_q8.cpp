@@ -32,10 +32,10 @@
 // instructions), and a portable loop over the same layout (setup.py builds this file once
 // per level; `isa()` names the build). Runs of W rows (32 with AVX-512, 16 with AVX2) are split
 // over threads (one parallel region: each thread its share of the runs, then the runs left in the
-// others' shares as it finishes, parallel_tasks.h); each sweeps every row of x (past 256 rows,
-// a chunk of 256: a task is a run by a chunk), four at a time, so a weight loaded serves four
-// rows, and the one to three rows left in one more pass (a tile of that many rows, not a pass a
-// row).
+// others' shares as it finishes, parallel_tasks.h); each sweeps x's rows (all of them up to
+// 256; past that a task is a run by a chunk of 256 rows), four at a time, so a weight loaded
+// serves four rows, and the one to three rows left in one more pass (a tile of that many rows,
+// not a pass a row).
 //
 // AMX-INT8 (the amx build; from 32 rows of x, 16 for Q8_0, where it starts to beat VNNI): a
 // panel's block is already a B tile of the int8 tile product (8 rows of 64 bytes, 4 K bytes of
@@ -290,8 +290,8 @@ void quantize_into(QuantizedX& q, const float* x, int64_t M, int64_t K) {
 }
 
 // The quantized x of a call of a few rows, kept by the calling thread between calls: a decode
-// step makes about 120 products of one row, and four heap allocations each (and the zeroing of
-// new vectors) cost more than quantizing the row. Up to kKeptX values of x (113 rows of 576, 42
+// step makes about 120 products of one row, and four heap allocations each (then zeroed, as
+// vectors were) had cost more than quantizing the row. Up to kKeptX values of x (113 rows of 576, 42
 // of 1536); more rows get vectors of their own, freed after the call. A thread runs one product
 // at a time, so its kept x is never in use twice. A decode step's products against vectors made each call
 // (`benchmarks/product_bandwidth.py --against`, 30 paired passes, AMD EPYC Zen 4, 2 threads):
@@ -509,9 +509,11 @@ void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m_beg
 // so from L3 each time, and the last task of a call (0.27 ms at 2048 rows) left the other thread
 // waiting. With tasks of a run by 256 rows, x's rows stay in L2 across the runs of one thread's
 // tasks and the threads finish within a smaller task of each other. SmolLM2's four Q4_1
-// products of a layer (AMD EPYC Zen 4, 2 threads, each the median of 5-9 calls): 2048 rows
-// 26.5 ms against 27.5 with every row a task's, 512 rows 6.16 against 6.43; 64 rows unchanged.
+// products of a layer (K = 576 and 1536; AMD EPYC Zen 4, 2 threads, each the median of 5-9
+// calls): 2048 rows 26.5 ms against 27.5 with every row a task's, 512 rows 6.16 against 6.43;
+// 64 rows unchanged. (At K = 8192 a chunk's x is 2 MB: not measured.)
 constexpr int64_t kChunkRows = 256;
+static_assert(kChunkRows % kRowTile == 0, "a chunk's rows are whole tiles but in the last one");
 
 template <int FMT>
 void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M, int64_t K) {
@@ -526,7 +528,7 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   // `benchmarks/product_bandwidth.py --against`, each run the median of 20-30 paired passes;
   // outputs equal), time over the fixed split's: 1 row of x 0.93-1.02 in nine runs (median
   // 0.99: within one run's noise), 4 rows 0.95-0.99, 16 rows 0.97-1.00, 64 rows 0.93-1.00
-  // (six runs each), 512 rows 0.98 (one).
+  // (six runs each), 512 rows 0.98 (one); measured before the chunks of rows below.
   // Past kChunkRows rows a task is a unit by a chunk of rows, the units of a chunk consecutive.
   const int64_t chunks = M > kChunkRows ? (M + kChunkRows - 1) / kChunkRows : 1;
   const int64_t chunk_rows = chunks > 1 ? kChunkRows : M;

@@ -10,7 +10,9 @@
 //
 // Each block's rows are turned into fp32 (a pointer into the cache for fp32, or a small buffer
 // the block is dequantized into, in registers and L1) and serve all G query heads of their K/V
-// head. Scores and accumulation are in fp32. Formats (each a Source below):
+// head; the AVX-512 path scores bf16 keys as it reads them instead, a group of up to
+// kScoreHeads query heads a pass over the block. Scores and accumulation are in fp32. Formats
+// (each a Source below):
 //
 //   dense   fp32 / bf16 / fp16 rows as stored
 //   int8    q * s,  s per token and head                        (k_scale, v_scale [nb, BS, KVH] fp32)
@@ -119,12 +121,14 @@ template <typename T>
 struct Dense {
   const T* cache;
   Shape s;
+  // Block blk's first row of K/V head kh; row i at + i * KVH * D.
+  KV_ALWAYS_INLINE const T* block(int64_t blk, int64_t kh) const { return cache + s.row(blk, 0, kh) * s.D; }
   KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
-    return lines_of(cache + s.row(blk, 0, kh) * s.D, s.D * sizeof(T), s.KVH * s.D * sizeof(T));
+    return lines_of(block(blk, kh), s.D * sizeof(T), s.KVH * s.D * sizeof(T));
   }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
-    const T* base = cache + s.row(blk, 0, kh) * s.D;
+    const T* base = block(blk, kh);
     if constexpr (std::is_same_v<T, float>) {
       return {base, s.KVH * s.D};
     } else {
@@ -622,13 +626,13 @@ inline __m512 hsum16(const __m512* v) {
   return hsum_pairs(a);
 }
 
-// How this path reads each format. Keys: a block's rows as fp32 (in place for fp32, else
-// converted into a buffer), scored 16 rows at a time against each of the G query heads. A format
-// may leave a factor per row out of its rows (KeyRows::row_scale, applied to the scores: int8),
-// and bf16 keeps each 32 channels as the 16 even ones, then the 16 odd ones (kSplit: one
-// instruction converts 16 values; the queries are put in the same order, so each dot product
-// has the same terms); bf16 keys are not converted into a buffer but scored as each row is
-// split (split_scores). Values: a row at a time into registers, bf16 and int8 straight from the
+// How this path reads each format. Keys: fp32's rows in place, and the other formats' but bf16
+// converted into a buffer, scored 16 rows at a time against each of the G query heads; a format
+// may leave a factor per row out of its rows (KeyRows::row_scale, applied to the scores: int8).
+// bf16 keeps each 32 channels as the 16 even ones, then the 16 odd ones (kSplit: one instruction
+// converts 16 values; the queries are put in the same order, so each dot product has the same
+// terms), and its keys are scored from the cache as each row is split, up to kScoreHeads query
+// heads a pass (split_scores). Values: a row at a time into registers, bf16 and int8 straight from the
 // cache (no buffer), the other formats from the rows their source converts, with a factor the
 // row's weights take; bf16's in the same split order (kSplit: the sums go back to channel
 // order as they are stored). Converting a block into a buffer and reading it back had cost bf16
@@ -641,7 +645,9 @@ struct KeyRows {
 // What a block's turn of part_scores asks the caches for: the keys of the block kAheadBlocks on
 // and this block's values (for the values' pass that follows). The paths that read keys row by
 // row (bf16's split_scores, int8's key_block) ask for row i of both as they read row i, the
-// others for all of them first (bf16 out of DRAM: 3-5% less time spread so than all at once).
+// others for all of them first (bf16, SmolLM2's shapes, 64 contexts of 192 tokens out of DRAM,
+// Zen 4, 2 threads: split_scores asking for all at once took 1.05-1.07 of the converting
+// path's time, row by row 0.92-0.97).
 // Spread so, one layer at 64 contexts of 256 tokens out of DRAM took 0.75 ms against 0.78 all at
 // once (bf16, Xeon with AMX; int8 0.64 against 0.68). Two blocks ahead rather than one: 0.66 ms
 // against 0.69 (bf16, Zen 4, the T1 hint; int8 0.55 against 0.59); three gave 0.67 (int8 0.53).
@@ -738,7 +744,7 @@ inline void each_value_row(const Dense<c10::BFloat16>& src, const int64_t* table
     constexpr int64_t D = NV * 16;
     const int64_t stride = src.s.KVH * D;
     each_block(src, table, begin, L, BS, kh, [&](int64_t blk, int64_t t0, int64_t i0, int64_t n) {
-      const c10::BFloat16* base = src.cache + src.s.row(blk, 0, kh) * D;
+      const c10::BFloat16* base = src.block(blk, kh);
       for (int64_t i = i0; i < n; ++i) {
         __m512 vv[NV];
         for (int j = 0; j < NV; j += 2) split_bf16(base + i * stride + 16 * j, vv[j], vv[j + 1]);
@@ -796,16 +802,34 @@ inline __m512 scores16(const float* qg, const Rows& r, int64_t n) {
   return hsum16(acc);
 }
 
+// fn(g0, std::integral_constant<int, GC>) for groups of GC <= kMax of the G query heads from g0
+// (a compile-time count: what the group keeps is registers, not a runtime-sized array).
+template <int kMax, typename Fn>
+inline void by_head_groups(int64_t G, const Fn& fn) {
+  for (int64_t g0 = 0; g0 < G;) {
+    const int64_t gc = std::min<int64_t>(kMax, G - g0);
+    switch (gc) {
+      case 1: fn(g0, std::integral_constant<int, 1>{}); break;
+      case 2: fn(g0, std::integral_constant<int, std::min(2, kMax)>{}); break;
+      case 3: fn(g0, std::integral_constant<int, std::min(3, kMax)>{}); break;
+      default: fn(g0, std::integral_constant<int, kMax>{}); break;
+    }
+    g0 += gc;
+  }
+}
+
 // bf16 keys stored split (kSplit): the scores of m <= 16 consecutive rows (row i at rows + i *
 // stride) against GC query heads (qf [GC, D], split), s[g * Lp + i] for g < GC, i < m. The queries
-// stay in registers and each row is split as it is read, its sums reduced in pairs as the rows
-// come (hsum16's first level), the rest of the tree once for the 16: no converted copy of the
-// block is written and read back once a head. The same products and sums in the same order as
-// scores16 over a converted block (outputs equal bit for bit). Against that path, built the same
-// and run in one process by turns (SmolLM2's 9 / 3 heads of 64, bf16, AMD EPYC Zen 4, medians
-// of 30): 64 contexts of 192 tokens, 30 layers' caches out of DRAM, 2 threads, 0.400-0.411 ms
-// a layer against 0.421-0.436 (of 512 tokens 1.03 against 1.07); one context of 192 8.2 us
-// against 9.3.
+// are loaded once for the 16 rows (GC * NV <= 16 vectors; the pair sums beside them may spill
+// to L1), each row is split as it is read and its sums reduced in pairs as the rows come
+// (hsum16's first level), the rest of the tree once for the 16: no converted copy of the block
+// is written and read back once a head. The same products and sums in the same order as scores16
+// over a converted block (outputs equal bit for bit). Against that path, built the same and run
+// in one process by turns (SmolLM2's 9 / 3 heads of 64, bf16, AMD EPYC Zen 4, medians of 30):
+// 64 contexts of 192 tokens, 30 layers' caches out of DRAM, 2 threads, 0.400-0.411 ms a layer
+// against 0.421-0.436 (of 512 tokens 1.03 against 1.07); one context of 192 8.2 us against 9.3.
+// Measured at 3 query heads a K/V head of 64 only (one pass); with more heads than kScoreHeads
+// each pass reads and splits the rows again.
 template <int NV, int GC>
 KV_ALWAYS_INLINE void split_scores16(const float* qf, const c10::BFloat16* rows, int64_t stride, int64_t m,
                                     float* s, int64_t Lp, const Ahead* ahead, int64_t row0) {
@@ -834,29 +858,20 @@ KV_ALWAYS_INLINE void split_scores16(const float* qf, const c10::BFloat16* rows,
   for (int g = 0; g < GC; ++g) _mm512_mask_storeu_ps(s + g * Lp, valid, hsum_pairs(a[g]));
 }
 
-// The most query heads split_scores16 holds in registers at once: 16 of the 32 vectors.
+// The most query heads split_scores16 scores in one pass: at most 16 vectors of queries.
 template <int NV>
 constexpr int kScoreHeads = std::max(1, std::min(4, 16 / NV));
 
-// split_scores16 for the G query heads, kScoreHeads of them at a time; the first group asks the
-// caches for `ahead`'s rows row0.. as it reads its own (as the converting key_blocks do).
+// split_scores16 for the G query heads, kScoreHeads of them a pass; the first pass asks the
+// caches for `ahead`'s rows row0.. as it reads its own (as int8's key_block does).
 template <int NV>
 inline void split_scores(const float* qf, const c10::BFloat16* rows, int64_t stride, int64_t m, int64_t G,
                          float* s, int64_t Lp, const Ahead& ahead, int64_t row0) {
   constexpr int64_t D = NV * 16;
-  for (int64_t g0 = 0; g0 < G;) {
-    const int64_t gc = std::min<int64_t>(kScoreHeads<NV>, G - g0);
-    const float* qg = qf + g0 * D;
-    float* sg = s + g0 * Lp;
-    const Ahead* a = g0 == 0 ? &ahead : nullptr;
-    switch (gc) {
-      case 1: split_scores16<NV, 1>(qg, rows, stride, m, sg, Lp, a, row0); break;
-      case 2: split_scores16<NV, std::min(2, kScoreHeads<NV>)>(qg, rows, stride, m, sg, Lp, a, row0); break;
-      case 3: split_scores16<NV, std::min(3, kScoreHeads<NV>)>(qg, rows, stride, m, sg, Lp, a, row0); break;
-      default: split_scores16<NV, kScoreHeads<NV>>(qg, rows, stride, m, sg, Lp, a, row0); break;
-    }
-    g0 += gc;
-  }
+  by_head_groups<kScoreHeads<NV>>(G, [&](int64_t g0, auto gc) {
+    const Ahead* first_pass = g0 == 0 ? &ahead : nullptr;
+    split_scores16<NV, decltype(gc)::value>(qf + g0 * D, rows, stride, m, s + g0 * Lp, Lp, first_pass, row0);
+  });
 }
 
 // The scores of a part's positions against the G query heads of K/V head kh (qf [G, D], scaled,
@@ -877,17 +892,18 @@ void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t*
     const int64_t n = std::min(BS, span.end - t0);
     const StreamBlock a = stream_block(table, span, kh, next, BS, t0 / BS + kAheadBlocks);
     const Ahead ahead{ks.lines(a.blk, a.kh), vs.lines(table[t0 / BS], kh), a.rows, n};
+    const int64_t skipped = std::max<int64_t>(0, span.begin - t0);  // the block's rows before the part
     if constexpr (kSplit<KSrc, NV>) {  // bf16 keys: scored as they are read (split_scores)
-      const c10::BFloat16* base = ks.cache + ks.s.row(table[t0 / BS], 0, kh) * D;
-      const int64_t stride = ks.s.KVH * D, first = std::max<int64_t>(0, span.begin - t0);
-      for (int64_t i = 0; i < first; ++i) ahead.row(i);
-      for (int64_t i0 = first; i0 < n; i0 += 16)
+      const c10::BFloat16* base = ks.block(table[t0 / BS], kh);
+      const int64_t stride = ks.s.KVH * D;
+      for (int64_t i = 0; i < skipped; ++i) ahead.row(i);
+      for (int64_t i0 = skipped; i0 < n; i0 += 16)
         split_scores<NV>(qf, base + i0 * stride, stride, std::min<int64_t>(16, n - i0), G,
                          s + t0 + i0 - span.begin, Lp, ahead, i0);
       for (int64_t i = n; i < BS; ++i) ahead.row(i);
     } else {
       const KeyRows k = key_block<NV>(ks, table[t0 / BS], kh, n, buf, row_scale, ahead);
-      for (int64_t i0 = std::max<int64_t>(0, span.begin - t0); i0 < n; i0 += 16) {
+      for (int64_t i0 = skipped; i0 < n; i0 += 16) {
         const int64_t m = std::min<int64_t>(16, n - i0);
         const Rows rows16{k.r.ptr + i0 * k.r.stride, k.r.stride};
         for (int64_t g = 0; g < G; ++g) {
@@ -957,18 +973,9 @@ template <int NV, typename VSrc>
 void part_values(const float* p, const VSrc& vs, const int64_t* table, PartSpan span, int64_t BS, int64_t kh,
                  int64_t G, int64_t Lp, float* buf, float* acc) {
   constexpr int64_t D = NV * 16;
-  for (int64_t g0 = 0; g0 < G;) {
-    const int64_t gc = std::min<int64_t>(kHeadsHeld<NV>, G - g0);
-    const float* pg = p + g0 * Lp;
-    float* ag = acc + g0 * D;
-    switch (gc) {
-      case 1: part_values_heads<NV, 1>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
-      case 2: part_values_heads<NV, std::min(2, kHeadsHeld<NV>)>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
-      case 3: part_values_heads<NV, std::min(3, kHeadsHeld<NV>)>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
-      default: part_values_heads<NV, kHeadsHeld<NV>>(pg, vs, table, span, BS, kh, Lp, buf, ag); break;
-    }
-    g0 += gc;
-  }
+  by_head_groups<kHeadsHeld<NV>>(G, [&](int64_t g0, auto gc) {
+    part_values_heads<NV, decltype(gc)::value>(p + g0 * Lp, vs, table, span, BS, kh, Lp, buf, acc + g0 * D);
+  });
 }
 
 template <typename scalar_t, int NV, typename KSrc, typename VSrc>  // NV = D / 16
