@@ -837,7 +837,7 @@ KV_ALWAYS_INLINE void split_scores16(const float* qf, const c10::BFloat16* rows,
   __m512 q[GC][NV];
   for (int g = 0; g < GC; ++g)
     for (int j = 0; j < NV; ++j) q[g][j] = _mm512_loadu_ps(qf + g * D + 16 * j);
-  // rows past m score row m - 1 again (their lanes are not stored): no branch in the unrolled loop
+  // rows past m score row m - 1 again (their lanes are not stored) rather than branch around them
   __m512 a[GC][8];
   for (int64_t i = 0; i < 16; i += 2) {
     __m512 t[2][GC];
