@@ -60,14 +60,15 @@ def main() -> None:
     engine.add_request("cold", [1], SamplingParams(temperature=0, max_tokens=a.steps + 8, ignore_eos=True))
     engine.step()
     cases = ops()
-    got: dict[str, dict[str, list[float]]] = {name: {"after a step": [], "again at once": [], "after 2 ms asleep": []}
-                                               for name in cases}
+    conditions = ("after a step", "again at once", "after 2 ms asleep")
+    got: dict[str, dict[str, list[float]]] = {name: {c: [] for c in conditions} for name in cases}
     step_ms = []
+    names, threads = list(cases), torch.get_num_threads()
     for i in range(a.steps):
         t = time.perf_counter()
         engine.step()
         step_ms.append((time.perf_counter() - t) * 1e3)
-        name = list(cases)[i % len(cases)]  # one op a step: each finds the step's caches
+        name = names[i % len(names)]  # one op a step: each finds the step's caches
         fn = cases[name]
         got[name]["after a step"].append(timed(fn))
         got[name]["again at once"].append(timed(fn))
@@ -75,13 +76,14 @@ def main() -> None:
         got[name]["after 2 ms asleep"].append(timed(fn))
     medians = {name: {k: round(statistics.median(v), 2) for k, v in c.items()} for name, c in got.items()}
     print(f"batch-1 decode step of the default model: median {statistics.median(step_ms):.2f} ms; "
-          f"{torch.get_num_threads()} thread(s)")
-    print(f"{'op':28} {'after a step':>14} {'again at once':>14} {'after 2 ms asleep':>18}   (us, medians)")
+          f"{threads} thread(s)")
+    print(f"{'op':28} {conditions[0]:>14} {conditions[1]:>14} {conditions[2]:>18}   (us, medians)")
     for name, m in medians.items():
-        print(f"{name:28} {m['after a step']:14.1f} {m['again at once']:14.1f} {m['after 2 ms asleep']:18.1f}")
+        print(f"{name:28} {m[conditions[0]]:14.1f} {m[conditions[1]]:14.1f} {m[conditions[2]]:18.1f}")
     with open(OUT, "w") as f:
-        json.dump({"machine": Machine.here(torch.get_num_threads()).as_dict(), "load_before": load, "steps": a.steps, "step_ms_median": statistics.median(step_ms),
-                   "threads": torch.get_num_threads(), "op_us": medians}, f, indent=1)
+        json.dump({"machine": Machine.here(threads).as_dict(), "load_before": load, "steps": a.steps,
+                   "step_ms_median": statistics.median(step_ms), "threads": threads, "op_us": medians},
+                  f, indent=1)
     print(f"wrote {os.path.relpath(OUT)}")
 
 
