@@ -28,6 +28,7 @@ cores may be shared, and the fastest is what the machine allowed. A pass's time 
 calls' timers, a few hundred nanoseconds a call (about 1% of a step).
 
     .venv/bin/python benchmarks/product_bandwidth.py [--threads 1 2] [--rows 1 2 4 8] [--reps 7]
+    .venv/bin/python benchmarks/product_bandwidth.py --cold-hot --threads 2 --reps 9
 
 Writes benchmarks/results/product_bandwidth.json.
 
@@ -37,6 +38,11 @@ two by turns, the order swapped every pair (`--pairs`), on the same inputs; per 
 the pass, each build's median and the median of the pairs' ratios, and whether the two builds'
 outputs are equal. Pairs a few milliseconds apart share the machine's hour, which whole runs
 minutes apart do not. Writes benchmarks/results/product_bandwidth_against.json.
+
+`--cold-hot` instead times linear_q8 at 1 row on the most threads: each call of a step's pass
+(from memory) and the same call again at once (from the caches), a call over one cached panel,
+and a line through the layer products' times from memory against their bytes (its intercept: a
+call's fixed cost; its slope: the streaming rate). Writes benchmarks/results/product_cold_hot.json.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from kvserve.models.registry import default_model_path  # noqa: E402
 
 RESULT = Path(__file__).parent / "results" / "product_bandwidth.json"
 AGAINST_RESULT = Path(__file__).parent / "results" / "product_bandwidth_against.json"
+COLD_HOT = Path(__file__).parent / "results" / "product_cold_hot.json"
 # the model's products: the GGUF tensors each fuses (rows stacked), per layer
 LAYER_PRODUCTS = {"qkv": ("attn_q", "attn_k", "attn_v"), "o": ("attn_output",),
                   "gate_up": ("ffn_gate", "ffn_up"), "down": ("ffn_down",)}
@@ -290,6 +297,50 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
     print(f"wrote {AGAINST_RESULT}")
 
 
+def cold_and_hot(products: list[Product], module: Any, threads: int, reps: int) -> dict[str, Any]:
+    """linear_q8 at 1 row: each call of a decode step's products in the step's order (its weights
+    last read a pass, 92 MiB, before: from memory) and the same call again at once (from the
+    caches), medians over `reps` passes; a call over one panel (16 W rows, cached: the call's own
+    cost); and a least-squares line through the layer products' cold times against their bytes,
+    whose slope is the streaming rate and whose intercept a call's fixed cost from memory."""
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    xs = {p.k: torch.randn(1, p.k, generator=g) for p in products}
+    calls = step_calls("linear_q8", module, products, xs, packed={})
+    cold: dict[str, list[float]] = {}
+    hot: dict[str, list[float]] = {}
+    for _ in range(reps):
+        for name, fn in calls:
+            first = _seconds(fn)
+            cold.setdefault(name, []).append(first)
+            hot.setdefault(name, []).append(_seconds(fn))
+    small = products[0]
+    panel = module.pack_panels(small.weights[0][:16].contiguous(), small.ggml_type, small.k)
+    x = xs[small.k]
+    def one_call() -> None:
+        module.linear_q8(x, panel, small.ggml_type, small.k, 16, None)
+    one_panel = statistics.median(_seconds(one_call) for _ in range(2000)) * 1e6
+    rows = []
+    for p in products:
+        c, h = statistics.median(cold[p.name]) * 1e6, statistics.median(hot[p.name]) * 1e6
+        nbytes = p.bytes_per_call
+        rows.append({"product": p.name, "bytes": nbytes, "cold_us": round(c, 2), "hot_us": round(h, 2),
+                     "cold_gb_s": round(nbytes / c / 1e3, 1), "hot_gb_s": round(nbytes / h / 1e3, 1)})
+        print(f"{p.name:8} {nbytes / 1e3:8.1f} KB  from memory {c:7.1f} us ({nbytes / c / 1e3:5.1f} GB/s)"
+              f"  again at once {h:7.1f} us ({nbytes / h / 1e3:5.1f} GB/s)")
+    layer = [r for r in rows if r["product"] != "head"]
+    mb = statistics.fmean(r["bytes"] for r in layer)
+    mt = statistics.fmean(r["cold_us"] for r in layer)
+    slope = (sum((r["bytes"] - mb) * (r["cold_us"] - mt) for r in layer)
+             / sum((r["bytes"] - mb) ** 2 for r in layer))
+    fit = {"streaming_gb_s": round(1 / slope / 1e3, 1), "fixed_us": round(mt - slope * mb, 2),
+           "one_panel_call_us": round(one_panel, 2)}
+    print(f"layer products from memory: {fit['fixed_us']:.1f} us a call + bytes at "
+          f"{fit['streaming_gb_s']:.1f} GB/s; a call over one cached panel {one_panel:.2f} us "
+          f"({threads} threads)")
+    return {"threads": threads, "passes": reps, "products": rows, "fit": fit}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
@@ -299,6 +350,8 @@ def main() -> None:
     p.add_argument("--decode-repeats", type=int, default=3)
     p.add_argument("--against", metavar="DIR", help="compare linear_q8 with the build in DIR (see above)")
     p.add_argument("--pairs", type=int, default=30, help="pairs of passes for --against")
+    p.add_argument("--cold-hot", action="store_true", help="linear_q8 at 1 row, each call from memory and "
+                   "again at once (see cold_and_hot), on the most threads; writes " + COLD_HOT.name)
     a = p.parse_args()
     if a.against:
         against(a.against, a.threads, a.rows, a.pairs)
@@ -307,6 +360,12 @@ def main() -> None:
     missing = [k for k, m in modules.items() if m is None]
     if missing:
         raise SystemExit(f"compiled kernels missing: {', '.join(f'{k} ({kernels.failure(k)})' for k in missing)}")
+    if a.cold_hot:
+        got = cold_and_hot(model_products(default_model_path()), modules["linear_q8"], max(a.threads), a.reps)
+        COLD_HOT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
+                                        "level": modules["linear_q8"].isa(), **got}, indent=1) + "\n")
+        print(f"wrote {COLD_HOT}")
+        return
     bandwidth, model_sized = {}, {}
     for t in a.threads:
         torch.set_num_threads(t)
