@@ -117,11 +117,25 @@ def vllm_unavailable() -> str | None:
     return None
 
 
+def throughput_workload(vocab: int, num_prompts: int):  # type: ignore[no-untyped-def]
+    """The `kvserve bench throughput` workload: random prompts of 64-192 tokens, outputs of
+    64-192, EOS ignored, seed 0."""
+    from kvserve.bench.throughput import make_workload
+    return make_workload(num_prompts, vocab, (64, 192), (64, 192), 0)
+
+
+def throughput_engine(loaded, num_seqs: int, flags: list[str]) -> LLMEngine:  # type: ignore[no-untyped-def]
+    """A fresh engine of a throughput contender (its flags), every request of the workload at
+    once, no prefix caching (the prompts share nothing)."""
+    return LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, **{
+        "max_model_len": 1024, "max_num_seqs": num_seqs, "enable_prefix_caching": False, **options_of(flags)})
+
+
 def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  # type: ignore[no-untyped-def]
-    """The `kvserve bench throughput` workload (random prompts 64-192 tokens, outputs 64-192,
-    EOS ignored), kvserve's settings and vLLM-CPU interleaved, medians of output tok/s."""
-    from kvserve.bench.throughput import make_workload, run_kvserve
-    w = make_workload(num_prompts, loaded.config.vocab_size, (64, 192), (64, 192), 0)
+    """The `kvserve bench throughput` workload (throughput_workload), kvserve's settings and
+    vLLM-CPU interleaved, medians of output tok/s."""
+    from kvserve.bench.throughput import run_kvserve
+    w = throughput_workload(loaded.config.vocab_size, num_prompts)
     reason = vllm_unavailable()
     path = HERE / ".peers" / "throughput-workload.json"
     path.parent.mkdir(exist_ok=True)
@@ -133,9 +147,7 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
     print(f"vLLM-CPU runs in {peer_dtype}: {why}")
     for r in range(repeats):
         for name, flags in throughput_contenders().items():
-            engine = LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, **{
-                "max_model_len": 1024, "max_num_seqs": len(w.prompts), "enable_prefix_caching": False,
-                **options_of(flags)})
+            engine = throughput_engine(loaded, len(w.prompts), flags)
             runs.setdefault(name, []).append(run_kvserve(engine, w)["output_tokens_per_s"])
             # its model and 1.5 GB KV cache freed now (the runner unbinds the fast path as it goes),
             # and what else it left in reference cycles collected before the next contender runs

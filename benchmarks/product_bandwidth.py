@@ -40,9 +40,10 @@ outputs are equal. Pairs a few milliseconds apart share the machine's hour, whic
 minutes apart do not. Writes benchmarks/results/product_bandwidth_against.json.
 
 `--cold-hot` instead times linear_q8 at 1 row on the most threads: each call of a step's pass
-(from memory) and the same call again at once (from the caches), a call over one cached panel,
-and a line through the layer products' times from memory against their bytes (its intercept: a
-call's fixed cost; its slope: the streaming rate). Writes benchmarks/results/product_cold_hot.json.
+(from memory), the same call again at once (from the caches) and a torch sum over the same bytes
+(from memory), a call over one cached panel, and a line through the layer products' times from
+memory against their bytes (its intercept: a call's fixed cost; its slope: the streaming rate).
+Writes benchmarks/results/product_cold_hot.json.
 """
 
 from __future__ import annotations
@@ -300,45 +301,62 @@ def against(directory: str, threads: list[int], rows: list[int], pairs: int) -> 
 def cold_and_hot(products: list[Product], module: Any, threads: int, reps: int) -> dict[str, Any]:
     """linear_q8 at 1 row: each call of a decode step's products in the step's order (its weights
     last read a pass, 92 MiB, before: from memory) and the same call again at once (from the
-    caches), medians over `reps` passes; a call over one panel (16 W rows, cached: the call's own
-    cost); and a least-squares line through the layer products' cold times against their bytes,
-    whose slope is the streaming rate and whose intercept a call's fixed cost from memory."""
+    caches), and in a pass of its own a torch sum over each call's weight bytes in the same
+    order (from memory), medians over `reps` passes; a call over one panel (16 W rows, cached: the
+    call's own cost); and line_through's line of the layer products' times from memory over their
+    bytes."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     xs = {p.k: torch.randn(1, p.k, generator=g) for p in products}
-    calls = step_calls("linear_q8", module, products, xs, packed={})
+    packed: dict[int, torch.Tensor] = {}
+    calls = step_calls("linear_q8", module, products, xs, packed=packed)
+    # the same bytes in the same order, read by a torch sum (packed in the pass's order, each once)
+    reads = [(name, panels.view(torch.float32).sum) for (name, _), panels in zip(calls, packed.values())]
     cold: dict[str, list[float]] = {}
     hot: dict[str, list[float]] = {}
+    read: dict[str, list[float]] = {}
     for _ in range(reps):
         for name, fn in calls:
             first = _seconds(fn)
             cold.setdefault(name, []).append(first)
             hot.setdefault(name, []).append(_seconds(fn))
+        for name, fn in reads:
+            read.setdefault(name, []).append(_seconds(fn))
     small = products[0]
     panel = module.pack_panels(small.weights[0][:16].contiguous(), small.ggml_type, small.k)
     x = xs[small.k]
+
     def one_call() -> None:
         module.linear_q8(x, panel, small.ggml_type, small.k, 16, None)
+
     one_panel = statistics.median(_seconds(one_call) for _ in range(2000)) * 1e6
-    rows = []
+    rows, from_memory = [], {}
     for p in products:
-        c, h = statistics.median(cold[p.name]) * 1e6, statistics.median(hot[p.name]) * 1e6
+        c, h, r = (statistics.median(t[p.name]) * 1e6 for t in (cold, hot, read))
         nbytes = p.bytes_per_call
+        from_memory[p.name] = (nbytes, c)
         rows.append({"product": p.name, "bytes": nbytes, "cold_us": round(c, 2), "hot_us": round(h, 2),
-                     "cold_gb_s": round(nbytes / c / 1e3, 1), "hot_gb_s": round(nbytes / h / 1e3, 1)})
+                     "sum_us": round(r, 2), "cold_gb_s": round(nbytes / c / 1e3, 1),
+                     "hot_gb_s": round(nbytes / h / 1e3, 1)})
         print(f"{p.name:8} {nbytes / 1e3:8.1f} KB  from memory {c:7.1f} us ({nbytes / c / 1e3:5.1f} GB/s)"
-              f"  again at once {h:7.1f} us ({nbytes / h / 1e3:5.1f} GB/s)")
-    layer = [r for r in rows if r["product"] != "head"]
-    mb = statistics.fmean(r["bytes"] for r in layer)
-    mt = statistics.fmean(r["cold_us"] for r in layer)
-    slope = (sum((r["bytes"] - mb) * (r["cold_us"] - mt) for r in layer)
-             / sum((r["bytes"] - mb) ** 2 for r in layer))
-    fit = {"streaming_gb_s": round(1 / slope / 1e3, 1), "fixed_us": round(mt - slope * mb, 2),
+              f"  again at once {h:7.1f} us ({nbytes / h / 1e3:5.1f} GB/s)  a torch sum of its bytes "
+              f"from memory {r:7.1f} us")
+    fit = {**line_through([v for k, v in from_memory.items() if k != "head"]),
            "one_panel_call_us": round(one_panel, 2)}
-    print(f"layer products from memory: {fit['fixed_us']:.1f} us a call + bytes at "
+    print(f"layer products from memory: {fit['fixed_us']:.2f} us a call + bytes at "
           f"{fit['streaming_gb_s']:.1f} GB/s; a call over one cached panel {one_panel:.2f} us "
           f"({threads} threads)")
     return {"threads": threads, "passes": reps, "products": rows, "fit": fit}
+
+
+def line_through(points: list[tuple[int, float]]) -> dict[str, float]:
+    """The least-squares line through (bytes, microseconds) points: its slope as GB/s streamed
+    and its intercept as a call's fixed microseconds. line_through([(0, 1.0), (1000, 2.0)]) ==
+    {"streaming_gb_s": 1.0, "fixed_us": 1.0}"""
+    mb = statistics.fmean(b for b, _ in points)
+    mt = statistics.fmean(t for _, t in points)
+    slope = sum((b - mb) * (t - mt) for b, t in points) / sum((b - mb) ** 2 for b, _ in points)
+    return {"streaming_gb_s": round(1 / slope / 1e3, 1), "fixed_us": round(mt - slope * mb, 2)}
 
 
 def main() -> None:
@@ -348,22 +366,25 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--decode-tokens", type=int, default=128)
     p.add_argument("--decode-repeats", type=int, default=3)
-    p.add_argument("--against", metavar="DIR", help="compare linear_q8 with the build in DIR (see above)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--against", metavar="DIR", help="compare linear_q8 with the build in DIR (see above)")
     p.add_argument("--pairs", type=int, default=30, help="pairs of passes for --against")
-    p.add_argument("--cold-hot", action="store_true", help="linear_q8 at 1 row, each call from memory and "
-                   "again at once (see cold_and_hot), on the most threads; writes " + COLD_HOT.name)
+    mode.add_argument("--cold-hot", action="store_true", help="linear_q8 at 1 row, each call from memory and "
+                      "again at once (see cold_and_hot), on the most threads; writes " + COLD_HOT.name)
     a = p.parse_args()
     if a.against:
         against(a.against, a.threads, a.rows, a.pairs)
         return
-    modules = {k: kernels.load(k) for k in KERNELS}
+    modules = {k: kernels.load(k) for k in (("linear_q8",) if a.cold_hot else KERNELS)}
     missing = [k for k, m in modules.items() if m is None]
     if missing:
         raise SystemExit(f"compiled kernels missing: {', '.join(f'{k} ({kernels.failure(k)})' for k in missing)}")
     if a.cold_hot:
         got = cold_and_hot(model_products(default_model_path()), modules["linear_q8"], max(a.threads), a.reps)
+        machine = machine_kind(parse_cpuinfo(Path("/proc/cpuinfo").read_text()))
         COLD_HOT.write_text(json.dumps({"model": "SmolLM2-135M-Instruct Q4_1 GGUF (Q8_0 head)",
-                                        "level": modules["linear_q8"].isa(), **got}, indent=1) + "\n")
+                                        "machine": machine, "level": modules["linear_q8"].isa(), **got},
+                                       indent=1) + "\n")
         print(f"wrote {COLD_HOT}")
         return
     bandwidth, model_sized = {}, {}

@@ -6,102 +6,142 @@ machine whose freed memory goes back to its host (a KVM or Firecracker guest wit
 reporting), a fresh engine's KV cache pages cost a wait on their first write (docs/cache.md),
 and how long depends on what ran just before: a contender after vLLM's process, or first, gets
 memory back from the host; one after another kvserve engine, pages that engine freed moments
-ago. Here the two settings alternate, the order swapped every pair, each engine fresh, and the
-figure is the median of the pairs' ratios (B over A) beside each setting's median.
+ago. Here the two settings alternate after a warm-up engine (discarded), the order swapped every
+pair, each engine fresh, and the figure is the median of the pairs' ratios (B's output tok/s
+over A's: above 1, B is faster) beside each setting's median. Engines run moments apart reuse
+memory the one before freed, so a setting that avoids first writes gains less here than in a
+fresh process.
 
-SmolLM2-135M-Instruct Q4_1 (the default GGUF), the workload of peers.py (64 requests, prompts
-and outputs of 64-192 tokens, EOS ignored, seed 0), max_model_len 1024, no prefix caching:
+SmolLM2-135M-Instruct Q4_1 (the default GGUF), peers.py's workload and engine options
+(`throughput_workload`, `throughput_engine`: 64 requests, prompts and outputs of 64-192 tokens,
+EOS ignored, max_model_len 1024, no prefix caching):
 
-    .venv/bin/python benchmarks/throughput_pairs.py --b --kv-cache-populate
+    .venv/bin/python benchmarks/throughput_pairs.py --b --kv-cache-populate --pairs 8
     .venv/bin/python benchmarks/throughput_pairs.py --b --packed-activations int8 --both --kv-cache-populate
 
 `--a` and `--b` take engine flags (as `kvserve generate` does; none: the defaults), `--both`
-flags that both settings get. Writes benchmarks/results/throughput_pairs.json.
+flags that both settings get (a flag given to one setting and to both: refused). Each list runs
+to the next of those three or of this script's options (`--pairs N`, `--threads N`, `--warmup
+N`, or their `--pairs=N` forms). Each run is added to
+benchmarks/results/throughput_pairs/<machine kind>.json with its machine, date and command.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import options_of  # noqa: E402
+from peers import options_of, throughput_engine, throughput_workload  # noqa: E402
 
-from kvserve.bench.throughput import make_workload, run_kvserve  # noqa: E402
-from kvserve.engine.llm_engine import LLMEngine  # noqa: E402
+from kvserve.bench.history import append_run, now_utc  # noqa: E402
+from kvserve.bench.machine import Machine, load_average  # noqa: E402
+from kvserve.bench.throughput import run_kvserve  # noqa: E402
 from kvserve.models.registry import default_model_path, load_weights  # noqa: E402
 
-RESULT = Path(__file__).parent / "results" / "throughput_pairs.json"
+RESULTS = Path(__file__).parent / "results" / "throughput_pairs"
+SETTINGS = ("--a", "--b", "--both")
+OWN = ("--pairs", "--threads", "--warmup")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=(
-        "--a FLAGS..., --b FLAGS..., --both FLAGS...: engine flags of setting A, of setting B, of both (each "
-        "list runs to the next of these or of the options above)"))
+        "--a FLAGS..., --b FLAGS..., --both FLAGS...: engine flags of setting A, of setting B, of both "
+        "(each list runs to the next of these or of the options above)"))
     p.add_argument("--pairs", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
-    args, flags = _split(sys.argv[1:])
-    a = p.parse_args(args)
-    if a.pairs < 1:
-        p.error("--pairs must be at least 1")
-    torch.set_num_threads(a.threads)
+    p.add_argument("--warmup", type=int, default=1, help="engines run and discarded before the pairs")
+    own, flags = split_args(sys.argv[1:])
+    a = p.parse_args(own)
+    for name in ("pairs", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if a.warmup < 0:
+        p.error("--warmup must be 0 or more")
     settings = {"A": flags["--a"] + flags["--both"], "B": flags["--b"] + flags["--both"]}
-    options = {k: options_of(v) for k, v in settings.items()}  # bad flags fail here, before any run
+    for side in ("--a", "--b"):
+        shared = set(_names(flags[side])) & set(_names(flags["--both"]))
+        if shared:
+            p.error(f"{', '.join(sorted(shared))} given to {side} and to --both: give it to one of them")
+    for name, given in settings.items():
+        try:
+            options_of(given)  # a bad flag is named here, before any run
+        except SystemExit:
+            p.error(f"setting {name}'s flags {' '.join(given)!r} are not engine flags "
+                    "(kvserve generate --help)")
+    torch.set_num_threads(a.threads)
+    machine = Machine.here(a.threads)
     loaded = load_weights(default_model_path())
-    w = make_workload(64, loaded.config.vocab_size, (64, 192), (64, 192), 0)
+    w = throughput_workload(loaded.config.vocab_size, 64)
+
+    def run(flags_of: list[str]) -> float:
+        engine = throughput_engine(loaded, len(w.prompts), flags_of)
+        got = run_kvserve(engine, w)["output_tokens_per_s"]
+        engine.close()  # its model and KV cache freed now, and its reference cycles collected
+        del engine
+        gc.collect()
+        return float(got)
+
+    for i in range(a.warmup):
+        print(f"warm-up {i}: A {run(settings['A']):.1f} output tok/s (discarded)", flush=True)
     runs: dict[str, list[float]] = {k: [] for k in settings}
     for i in range(a.pairs):
         for name in (["A", "B"] if i % 2 == 0 else ["B", "A"]):
-            engine = LLMEngine.from_options("SmolLM2-135M-Instruct", loaded=loaded, **{
-                "max_model_len": 1024, "max_num_seqs": len(w.prompts), "enable_prefix_caching": False,
-                **options[name]})
-            runs[name].append(run_kvserve(engine, w)["output_tokens_per_s"])
-            engine.close()
-            del engine
-            gc.collect()
+            runs[name].append(run(settings[name]))
         print(f"pair {i}: A {runs['A'][-1]:.1f}, B {runs['B'][-1]:.1f} output tok/s", flush=True)
     ratios = [b / x for x, b in zip(runs["A"], runs["B"])]
     medians = {k: statistics.median(v) for k, v in runs.items()}
     for k in settings:
-        flags_k = " ".join(settings[k]) or "(defaults)"
-        print(f"{k} {flags_k}: {medians[k]:.1f} output tok/s (median of {a.pairs})")
+        shown = " ".join(settings[k]) or "(defaults)"
+        print(f"{k} {shown}: {medians[k]:.1f} output tok/s (median of {a.pairs})")
     print(f"B / A, median of the pairs' ratios: {statistics.median(ratios):.3f} "
           f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})")
-    RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps({"settings": settings, "threads": a.threads, "runs": runs,
-                                  "medians": medians, "ratios": ratios,
-                                  "median_ratio": statistics.median(ratios)}, indent=1) + "\n")
-    print(f"wrote {RESULT}")
+    path = append_run(RESULTS, machine.kind, {
+        "date": now_utc(), "machine": machine.as_dict(), "load_before": load_average(),
+        "command": " ".join(["benchmarks/throughput_pairs.py", *sys.argv[1:]]), "settings": settings,
+        "warmup": a.warmup, "runs": runs, "medians": medians, "ratios": ratios,
+        "median_ratio": statistics.median(ratios)})
+    print(f"stored in {path}")
 
 
-def _split(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+def split_args(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """The script's own arguments, and the engine flags after each of --a, --b and --both (up to
-    the next of those or of the script's own options)."""
-    own = {"--pairs", "--threads", "-h", "--help"}
-    flags: dict[str, list[str]] = {"--a": [], "--b": [], "--both": []}
-    rest: list[str] = []
-    into = None
-    it = iter(argv)
-    for arg in it:
+    the next of those or of the script's own options). split_args(["--b", "--kv-cache-dtype",
+    "int8", "--pairs=8"]) == (["--pairs=8"], {"--a": [], "--b": ["--kv-cache-dtype", "int8"],
+    "--both": []})"""
+    flags: dict[str, list[str]] = {k: [] for k in SETTINGS}
+    own: list[str] = []
+    into: Optional[list[str]] = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
         if arg in flags:
             into = flags[arg]
-        elif arg in own:
+        elif arg in ("-h", "--help") or arg.split("=", 1)[0] in OWN:
             into = None
-            rest.append(arg)
-            if arg in ("--pairs", "--threads"):
-                rest.append(next(it, ""))
+            own.append(arg)
+            if arg in OWN and i + 1 < len(argv):  # its value (a missing one: argparse says so)
+                own.append(argv[i + 1])
+                i += 1
         elif into is not None:
             into.append(arg)
         else:
-            rest.append(arg)
-    return rest, flags
+            own.append(arg)  # argparse names what it does not know
+        i += 1
+    return own, flags
+
+
+def _names(flags: list[str]) -> list[str]:
+    """The options among engine flags, without their values: ["--kv-cache-dtype", "int8"] ->
+    ["--kv-cache-dtype"]."""
+    return [f.split("=", 1)[0] for f in flags if f.startswith("--")]
 
 
 if __name__ == "__main__":
