@@ -68,8 +68,8 @@ def throughput_contenders() -> dict[str, list[str]]:
     timed run: the default pool gets each page on first write, during the run (docs/cache.md).
     The contenders run one after another, moments apart, so a lazy engine may get pages freed just
     before (by the contender before it), which cost less to write again than fresh ones: the
-    populated row's lead over the defaults is smaller than in fresh processes after a pause. The
-    order turns by one contender each repeat (`throughput`)."""
+    populated row's lead over the defaults may be smaller than in fresh processes after a pause.
+    The order turns by one contender each repeat (`throughput`)."""
     return {**contenders(), "kvserve int8 cache": ["--kv-cache-dtype", "int8"],
             "kvserve populated": ["--kv-cache-populate"]}
 
@@ -145,14 +145,13 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
     peer_dtype, why = vllm_dtype()
     peer = f"vLLM-CPU {peer_dtype}"
     print(f"vLLM-CPU runs in {peer_dtype}: {why}")
-    contenders = list(throughput_contenders().items())
+    order = list(throughput_contenders().items())
     for r in range(repeats):
         # each repeat starts one contender later: the first run after vLLM's process (or after the
-        # batch-1 engines) writes memory its host had taken back, and pays for it (on the Zen 4
-        # guest 3-7%: docs/benchmarks.md, "Two throughput settings by turns"), so no setting
-        # takes that place in every repeat
-        turn = r % len(contenders)
-        for name, flags in contenders[turn:] + contenders[:turn]:
+        # batch-1 engines) writes memory its host had taken back, which costs the most on a guest
+        # with free page reporting (docs/cache.md), so no setting takes that place in every repeat
+        turn = r % len(order)
+        for name, flags in order[turn:] + order[:turn]:
             engine = throughput_engine(loaded, len(w.prompts), flags)
             runs.setdefault(name, []).append(run_kvserve(engine, w)["output_tokens_per_s"])
             # its model and 1.5 GB KV cache freed now (the runner unbinds the fast path as it goes),
@@ -175,6 +174,7 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
     if reason:
         print(f"vLLM-CPU not run: {reason}")
     return {"runs": runs, "medians": med, "num_prompts": num_prompts,
+            "order": "turns by one contender each repeat",
             "vllm": f"not run: {reason}" if reason else f"run in {peer_dtype}: {why}"}
 
 

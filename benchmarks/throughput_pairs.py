@@ -1,7 +1,7 @@
 """Two engine settings on the peers' offline throughput workload, by turns in one process: how
 much of a gap between two rows of `benchmarks/peers.py`'s throughput table is the settings' own.
 
-peers.py runs its contenders one after another, each a fresh engine, in a fixed order. On a
+peers.py runs its contenders one after another, each a fresh engine, a few repeats. On a
 machine whose freed memory goes back to its host (a KVM or Firecracker guest with free page
 reporting), a fresh engine's KV cache pages cost a wait on their first write (docs/cache.md),
 and how long depends on what ran just before: a contender after vLLM's process, or first, gets
@@ -52,50 +52,10 @@ OWN = ("--pairs", "--threads", "--warmup")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=(
-        "--a FLAGS..., --b FLAGS..., --both FLAGS...: engine flags of setting A, of setting B, of both "
-        "(each list runs to the next of these or of the options above)"))
-    p.add_argument("--pairs", type=int, default=4)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1, help="engines run and discarded before the pairs")
-    own, flags = split_args(sys.argv[1:])
-    a = p.parse_args(own)
-    for name in ("pairs", "threads"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be at least 1")
-    if a.warmup < 0:
-        p.error("--warmup must be 0 or more")
-    settings = {"A": flags["--a"] + flags["--both"], "B": flags["--b"] + flags["--both"]}
-    for side in ("--a", "--b"):
-        shared = set(_names(flags[side])) & set(_names(flags["--both"]))
-        if shared:
-            p.error(f"{', '.join(sorted(shared))} given to {side} and to --both: give it to one of them")
-    for name, given in settings.items():
-        try:
-            options_of(given)  # a bad flag is named here, before any run
-        except SystemExit:
-            p.error(f"setting {name}'s flags {' '.join(given)!r} are not engine flags "
-                    "(kvserve generate --help)")
+    a, settings = parse()
     torch.set_num_threads(a.threads)
     machine = Machine.here(a.threads)
-    loaded = load_weights(default_model_path())
-    w = throughput_workload(loaded.config.vocab_size, 64)
-
-    def run(flags_of: list[str]) -> float:
-        engine = throughput_engine(loaded, len(w.prompts), flags_of)
-        got = run_kvserve(engine, w)["output_tokens_per_s"]
-        engine.close()  # its model and KV cache freed now, and its reference cycles collected
-        del engine
-        gc.collect()
-        return float(got)
-
-    for i in range(a.warmup):
-        print(f"warm-up {i}: A {run(settings['A']):.1f} output tok/s (discarded)", flush=True)
-    runs: dict[str, list[float]] = {k: [] for k in settings}
-    for i in range(a.pairs):
-        for name in (["A", "B"] if i % 2 == 0 else ["B", "A"]):
-            runs[name].append(run(settings[name]))
-        print(f"pair {i}: A {runs['A'][-1]:.1f}, B {runs['B'][-1]:.1f} output tok/s", flush=True)
+    runs = run_pairs(settings, a.pairs, a.warmup)
     ratios = [b / x for x, b in zip(runs["A"], runs["B"])]
     medians = {k: statistics.median(v) for k, v in runs.items()}
     for k in settings:
@@ -109,6 +69,59 @@ def main() -> None:
         "warmup": a.warmup, "runs": runs, "medians": medians, "ratios": ratios,
         "median_ratio": statistics.median(ratios)})
     print(f"stored in {path}")
+
+
+def parse() -> tuple[argparse.Namespace, dict[str, list[str]]]:
+    """The script's options and the two settings' engine flags (A, B), checked."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=(
+        "--a FLAGS..., --b FLAGS..., --both FLAGS...: engine flags of setting A, of setting B, of both "
+        "(each list runs to the next of these or of the options above)"))
+    p.add_argument("--pairs", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1, help="engines run and discarded before the pairs")
+    own, flags = split_args(sys.argv[1:])
+    a = p.parse_args(own)
+    for name in ("pairs", "threads"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name} must be at least 1")
+    if a.warmup < 0:
+        p.error("--warmup must be 0 or more")
+    for side in ("--a", "--b"):
+        shared = set(_names(flags[side])) & set(_names(flags["--both"]))
+        if shared:
+            p.error(f"{', '.join(sorted(shared))} given to {side} and to --both: give it to one of them")
+    settings = {"A": flags["--a"] + flags["--both"], "B": flags["--b"] + flags["--both"]}
+    for name, given in settings.items():
+        try:
+            options_of(given)  # a bad flag is named here, before any run
+        except SystemExit:
+            p.error(f"setting {name}'s flags {' '.join(given)!r} are not engine flags "
+                    "(kvserve generate --help)")
+    return a, settings
+
+
+def run_pairs(settings: dict[str, list[str]], pairs: int, warmup: int) -> dict[str, list[float]]:
+    """Output tok/s of each setting, `pairs` of them by turns (A first in even pairs, B in odd
+    ones), after `warmup` runs of A discarded; each run a fresh engine, freed before the next."""
+    loaded = load_weights(default_model_path())
+    w = throughput_workload(loaded.config.vocab_size, 64)
+
+    def run(flags_of: list[str]) -> float:
+        engine = throughput_engine(loaded, len(w.prompts), flags_of)
+        got = run_kvserve(engine, w)["output_tokens_per_s"]
+        engine.close()
+        del engine
+        gc.collect()  # its reference cycles too, so that its model and KV cache go before the next
+        return float(got)
+
+    for i in range(warmup):
+        print(f"warm-up {i}: A {run(settings['A']):.1f} output tok/s (discarded)", flush=True)
+    runs: dict[str, list[float]] = {k: [] for k in settings}
+    for i in range(pairs):
+        for name in (["A", "B"] if i % 2 == 0 else ["B", "A"]):
+            runs[name].append(run(settings[name]))
+        print(f"pair {i}: A {runs['A'][-1]:.1f}, B {runs['B'][-1]:.1f} output tok/s", flush=True)
+    return runs
 
 
 def split_args(argv: list[str]) -> tuple[list[str], dict[str, list[str]]]:
