@@ -54,7 +54,7 @@ OWN = ("--pairs", "--threads", "--warmup")
 def main() -> None:
     a, settings = parse()
     torch.set_num_threads(a.threads)
-    machine = Machine.here(a.threads)
+    machine, load = Machine.here(a.threads), load_average()
     runs = run_pairs(settings, a.pairs, a.warmup)
     ratios = [b / x for x, b in zip(runs["A"], runs["B"])]
     medians = {k: statistics.median(v) for k, v in runs.items()}
@@ -64,7 +64,7 @@ def main() -> None:
     print(f"B / A, median of the pairs' ratios: {statistics.median(ratios):.3f} "
           f"(pairs {', '.join(f'{r:.3f}' for r in ratios)})")
     path = append_run(RESULTS, machine.kind, {
-        "date": now_utc(), "machine": machine.as_dict(), "load_before": load_average(),
+        "date": now_utc(), "machine": machine.as_dict(), "load_before": load,
         "command": " ".join(["benchmarks/throughput_pairs.py", *sys.argv[1:]]), "settings": settings,
         "warmup": a.warmup, "runs": runs, "medians": medians, "ratios": ratios,
         "median_ratio": statistics.median(ratios)})
