@@ -73,6 +73,8 @@ struct Rows {  // n rows of D floats, row i at ptr + i * stride
 struct Shape {
   int64_t BS, KVH, D;
   int64_t row(int64_t blk, int64_t i, int64_t kh) const { return (blk * BS + i) * KVH + kh; }  // [nb, BS, KVH]
+  // From a position's row of a K/V head to the next position's, in values of D per row.
+  int64_t stride() const { return KVH * D; }
 };
 
 // Where a block's rows of one KV head lie (row i's bytes at base + i * stride), to ask the caches
@@ -121,19 +123,19 @@ template <typename T>
 struct Dense {
   const T* cache;
   Shape s;
-  // Block blk's first row of K/V head kh; row i at + i * KVH * D.
+  // Block blk's first row of K/V head kh; row i at + i * s.stride().
   KV_ALWAYS_INLINE const T* block(int64_t blk, int64_t kh) const { return cache + s.row(blk, 0, kh) * s.D; }
   KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
-    return lines_of(block(blk, kh), s.D * sizeof(T), s.KVH * s.D * sizeof(T));
+    return lines_of(block(blk, kh), s.D * sizeof(T), s.stride() * sizeof(T));
   }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
     const T* base = block(blk, kh);
     if constexpr (std::is_same_v<T, float>) {
-      return {base, s.KVH * s.D};
+      return {base, s.stride()};
     } else {
       for (int64_t i = 0; i < n; ++i) {
-        const T* __restrict__ r = base + i * s.KVH * s.D;
+        const T* __restrict__ r = base + i * s.stride();
         float* __restrict__ o = buf + i * s.D;
         int64_t d = 0;
 #if defined(__AVX512F__)
@@ -169,7 +171,7 @@ struct Int8 {
   const float* scale;
   Shape s;
   KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
-    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D);
+    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.stride());
   }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
@@ -216,7 +218,7 @@ struct Fp8 {
   bool e4m3;
   Shape s;
   KV_ALWAYS_INLINE Lines lines(int64_t blk, int64_t kh) const {
-    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.KVH * s.D);
+    return lines_of(q + s.row(blk, 0, kh) * s.D, s.D, s.stride());
   }
   KV_ALWAYS_INLINE void prefetch(int64_t blk, int64_t kh, int64_t n) const { lines(blk, kh).prefetch(n); }
   Rows rows(int64_t blk, int64_t kh, int64_t n, float* buf) const {
@@ -742,7 +744,7 @@ inline void each_value_row(const Dense<c10::BFloat16>& src, const int64_t* table
     each_value_row<NV, Dense<c10::BFloat16>>(src, table, begin, L, BS, kh, buf, row);
   } else {
     constexpr int64_t D = NV * 16;
-    const int64_t stride = src.s.KVH * D;
+    const int64_t stride = src.s.stride();
     each_block(src, table, begin, L, BS, kh, [&](int64_t blk, int64_t t0, int64_t i0, int64_t n) {
       const c10::BFloat16* base = src.block(blk, kh);
       for (int64_t i = i0; i < n; ++i) {
@@ -895,7 +897,7 @@ void part_scores(const float* qf, const KSrc& ks, const VSrc& vs, const int64_t*
     const int64_t skipped = std::max<int64_t>(0, span.begin - t0);  // the block's rows before the part
     if constexpr (kSplit<KSrc, NV>) {  // bf16 keys: scored as they are read (split_scores)
       const c10::BFloat16* base = ks.block(table[t0 / BS], kh);
-      const int64_t stride = ks.s.KVH * D;
+      const int64_t stride = ks.s.stride();
       for (int64_t i = 0; i < skipped; ++i) ahead.row(i);
       for (int64_t i0 = skipped; i0 < n; i0 += 16)
         split_scores<NV>(qf, base + i0 * stride, stride, std::min<int64_t>(16, n - i0), G,
