@@ -1,6 +1,7 @@
 """The int8-activation kernel (kernels/csrc/linear_q8.cpp) for Q4_0, Q4_1 and Q8_0 weights on
 every code path this CPU runs (portable always, AVX2, AVX-512 VNNI and AMX where present): its panels
-of 16 rows hold GGUF's bytes and give them back, all or the rows an index names; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
+of 16 rows (in groups of two, block by block) hold GGUF's bytes and give them back, all or the rows
+an index names; its products equal `linear_q8_reference` (x rounded per 32-block to dx * round(x / dx),
 dx = max|x| / 127, times the dequantized weight) within fp32 summation error, for odd shapes,
 a last panel of fewer than 16 rows, tiles of four rows and their remainders, 1 to 257 rows (AMX's
 tiles of 16 rows and the rows left around its threshold), on 1 and 2 threads;
@@ -56,14 +57,37 @@ def test_panels_keep_the_bytes(isa, fmt, n, k):
     assert kernel.isa() == isa
     p = packed(n, k, fmt)
     panels = kernel.pack_panels(p.data, p.fmt.ggml_type, k)
-    rows = -(-n // 16) * 16
+    rows = -(-n // 32) * 32  # whole groups of two panels
     assert panels.shape == (rows, p.data.shape[1])
     # the same bytes, and zeros for the padding rows
     assert torch.equal(panels.flatten().sort().values[rows * p.data.shape[1] - p.data.numel():],
                        p.data.flatten().sort().values)
     assert torch.equal(kernel.unpack_panels(panels, p.fmt.ggml_type, k, n), p.data)
     with pytest.raises(RuntimeError, match="panel rows"):
-        kernel.linear_q8(torch.randn(1, k), panels, p.fmt.ggml_type, k, n + 16, None)
+        kernel.linear_q8(torch.randn(1, k), panels, p.fmt.ggml_type, k, n + 32, None)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", FMTS)
+def test_a_group_of_panels_is_one_run_a_block(isa, fmt):
+    """Block b of a group of two panels (32 W rows) lies in one run of 32 * GGUF's block bytes:
+    panel 0's weight bytes, panel 1's, the 16 d of each, then the 16 m of each (Q4_1); a group's
+    runs follow one another, block by block, then the next group's."""
+    kernel = compiled_kernel("linear_q8", isa)
+    k, p = 64, packed(64, 64, fmt)
+    flat = kernel.pack_panels(p.data, p.fmt.ggml_type, k).flatten()
+    nb, bb = k // 32, p.data.shape[1] // (k // 32)  # blocks a row, GGUF's bytes a block
+    head, qb = (4 if fmt == "q4_1" else 2), (512 if fmt == "q8_0" else 256)
+    for row in (0, 17, 31, 33, 63):
+        group, (panel, lane) = row // 32, divmod(row % 32, 16)
+        for b in range(nb):
+            run = (group * nb + b) * 32 * bb
+            gguf = p.data[row, b * bb:(b + 1) * bb]
+            assert torch.equal(flat[run + 2 * qb + 32 * panel + 2 * lane:][:2], gguf[:2])  # d
+            if fmt == "q4_1":
+                assert torch.equal(flat[run + 2 * qb + 64 + 32 * panel + 2 * lane:][:2], gguf[2:4])  # m
+            weights = flat[run + qb * panel:][:qb].view(-1, 16, 4)[:, lane].flatten()  # chunks of 64
+            assert torch.equal(weights, gguf[head:])
 
 
 @pytest.mark.parametrize("isa", ISAS)

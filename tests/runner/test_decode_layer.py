@@ -185,7 +185,7 @@ def test_operations_refuse_what_they_do_not_take():
     if not all(kernels.load(k) is not None for k in ("layer_ops", "linear_q8", "paged_attention")):
         pytest.skip("needs the compiled layer_ops, paged_attention and linear_q8 kernels")
     ops, q8, attention = kernels.load("layer_ops"), kernels.load("linear_q8"), kernels.load("paged_attention")
-    w = torch.zeros(16, 20, dtype=torch.uint8)
+    w = torch.zeros(32, 20, dtype=torch.uint8)  # one group of two panels (16 rows of W and 16 of padding)
     with pytest.raises(RuntimeError, match="linear_q8, not linear_quant"):
         q8.rows_op("linear_quant", w, 3, 32, 16, None)
     cache = [torch.zeros(4, 16, 2, 8)] * 2
@@ -207,7 +207,7 @@ def test_operations_refuse_what_they_do_not_take():
     with pytest.raises(RuntimeError, match=r"heads \(3\) must be a positive multiple of kv_heads \(2\)"):
         ops.DecodeLayer(norm, 1e-5, norm, 1e-5, product, product, product, product, decode, 3, 2, "store_kv",
                         cache)
-    with pytest.raises(RuntimeError, match="W holds 16 panel rows, not panels of 40"):
+    with pytest.raises(RuntimeError, match="W holds 32 panel rows, not panels of 40"):
         q8.rows_op("linear_q8", w, 3, 32, 40, None)
     wide = q8.rows_op("linear_q8", torch.zeros(32, 20, dtype=torch.uint8), 3, 32, 32, None)  # 32 columns
     for o, down in ((product, wide), (wide, product)):  # either of 16 columns where the norms take 32

@@ -19,14 +19,22 @@
 // against 2.20 with |q| and the sign, 64 rows 8.38 against 10.74, 256 rows 42.4 against 53.7.
 //
 // Weight layout ("panels"; GGUF's bytes, reordered once at load): the rows of W go in panels of
-// 16 (the last one padded with zero rows), a panel being 16 * row bytes:
-//   [weights: nb * 256 bytes (Q8_0: 512)][d: nb * 16 fp16][m: nb * 16 fp16, Q4_1 only]
-// Block b's weight bytes sit at b * 256 (512) in chunks of 64 bytes; chunk c holds, for each of
-// the 16 rows n in turn, GGUF bytes 4c..4c+3 of that row's block: for Q4, weights 4c..4c+3 in the
-// low nibbles and 16+4c..16+4c+3 in the high ones; for Q8_0, weights 4c..4c+3. One 64-byte load
-// is then four weights of each of 16 rows, a VNNI lane sums one output (rows of W are the 16
-// lanes), and the per-block scales of the 16 rows are one vector. The four x bytes a lane meets
-// are the same for every lane: a broadcast.
+// 16, and the panels in pairs (a group of 32 rows; the last padded with zero rows). A group holds
+// its two panels block by block: block b of the group is one run of bytes,
+//   [panel 0's weights: 256 bytes (Q8_0: 512)][panel 1's weights][d: 16 fp16 of panel 0][of 1]
+//   [m: 16 fp16 of panel 0][of 1 (Q4_1 only)]
+// (cb = 32 * GGUF's block bytes: 640 for Q4_1, 576 Q4_0, 1088 Q8_0; a multiple of 64), so that a
+// thread multiplying a group reads one stream of memory. A panel's block's weight bytes are in
+// chunks of 64; chunk c holds, for each of the 16 rows n in turn, GGUF bytes 4c..4c+3 of that
+// row's block: for Q4, weights 4c..4c+3 in the low nibbles and 16+4c..16+4c+3 in the high ones;
+// for Q8_0, weights 4c..4c+3. One 64-byte load is then four weights of each of 16 rows, a VNNI
+// lane sums one output (rows of W are the 16 lanes), and the per-block scales of the 16 rows are
+// one vector. The four x bytes a lane meets are the same for every lane: a broadcast.
+// The pairs are for memory: with each panel's weights, then its d, then its m apart, a thread
+// read six streams at once (two panels of three). A decode step's products of SmolLM2 against
+// that layout (`benchmarks/product_bandwidth.py --against`, paired passes, 2 threads, AMD EPYC
+// Zen 4, outputs equal bit for bit), three runs: 1 row of x 0.90-1.00 of the time (the Q8_0
+// head alone 0.93-1.08), 2 to 16 rows 0.96-1.03, 64 rows 0.93-0.96. Offsets: `Layout`.
 //
 // Paths: AVX-512 VNNI (a vector is a panel), AVX2 (half a panel; the byte dot product takes two
 // instructions), and a portable loop over the same layout (setup.py builds this file once
@@ -49,7 +57,7 @@
 // to 1.5 times VNNI's for Q4 from 32 rows, 2.5 times for Q8_0 (measured when VNNI took Q8_0's
 // signed bytes as |q| with q's sign; taken as q + 128 they cost VNNI a fifth less time, and the
 // 16 rows from which Q8_0 goes to AMX were not measured again). Whole tiles of 16 rows go to
-// AMX, the rows left to VNNI; threads split the panels, a group of four at a time, so that each
+// AMX, the rows left to VNNI; threads split the panels, a run of four at a time, so that each
 // tile of rows is read from L1 for four panels.
 //
 // The amx build has a second product, linear_bf16_tiles: what a dense bf16 copy of W multiplied
@@ -94,6 +102,21 @@ constexpr int64_t block_bytes(int64_t fmt) { return fmt == kQ8_0 ? 34 : fmt == k
 inline int64_t quant_bytes(int64_t fmt) { return fmt == kQ8_0 ? 512 : 256; }
 inline int64_t head_bytes(int64_t fmt) { return fmt == kQ4_1 ? 4 : 2; }
 inline int64_t panels(int64_t n) { return (n + kPanel - 1) / kPanel; }
+constexpr int64_t kGroup = 2 * kPanel;  // W rows a group of two panels holds
+inline int64_t groups(int64_t n) { return (n + kGroup - 1) / kGroup; }
+// The rows W's panels take, the padding included.
+inline int64_t panel_rows(int64_t n) { return groups(n) * kGroup; }
+
+// Where panel p's block b lies (byte offsets from W's first byte; see the header): its weight
+// bytes, its 16 d and its 16 m (Q4_1). A panel's next block is `cb` bytes on.
+struct Layout {
+  int64_t nb, qb, cb;  // blocks a row, a panel's weight bytes a block, a group's bytes a block
+  Layout(int64_t fmt, int64_t K) : nb(K / kBlock), qb(quant_bytes(fmt)), cb(2 * kPanel * block_bytes(fmt)) {}
+  int64_t group(int64_t p, int64_t b) const { return p / 2 * nb * cb + b * cb; }
+  int64_t weights(int64_t p, int64_t b) const { return group(p, b) + p % 2 * qb; }
+  int64_t d(int64_t p, int64_t b) const { return group(p, b) + 2 * qb + p % 2 * 32; }
+  int64_t m(int64_t p, int64_t b) const { return d(p, b) + 64; }
+};
 
 inline float half_at(const uint8_t* p) {
   uint16_t h;
@@ -329,12 +352,13 @@ struct Out {
 // How far ahead of the panels it reads a tile of a few rows of x asks for W (software prefetch):
 // those rows stream W, a byte of it serving few rows, so each core reads it at the rate of its
 // memory, and more lines in flight than the hardware prefetcher keeps help.
-// Four panels (23 KB of Q4_1 at K = 576) cover the latency from memory at ~25 GB/s a core.
+// Two groups (four panels, 23 KB of Q4_1 at K = 576) cover the latency from memory at ~25 GB/s a
+// core.
 // The lines go to L2 (the T1 hint), not L1, whose outstanding misses they would fill: one batch-1
 // decode step's products of SmolLM2 (30 layers and the head, out of DRAM, 2 threads, AMD EPYC
 // Zen 4) took 3.98 ms against 5.10 with the T0 hint (three rows of x: 5.04 against 6.78); two
 // and six panels ahead gave the same as four.
-constexpr int64_t kPrefetchPanels = 4;
+constexpr int64_t kPrefetchGroups = 2;
 // Up to how many rows of x the tiles ask for the panels ahead. A decode step's products of SmolLM2
 // (2 threads, Zen 4, benchmarks/product_bandwidth.py) at 4 / 6 / 8 / 12 / 16 / 32 rows of x took
 // 6.3-7.3 / 7.7 / 8.6-9.3 / 14.1-16.5 / 11.8-14.5 / 19.8-23.1 ms where only tiles of one to three
@@ -342,40 +366,43 @@ constexpr int64_t kPrefetchPanels = 4;
 // in turn (one row: 3.7-4.5). From 48 rows on, whose tiles compute many times longer than W takes
 // to read, asking changed nothing beyond the noise (48 to 128 rows, three interleaved runs); 33 to
 // 47 were not measured. (The AMX build's rows left after its tiles of 16, fewer than 16, ask too.)
-constexpr int64_t kPrefetchRows = 32;
+// Those figures are from panels that lay apart (each panel's weights, then its scales: six streams
+// a thread). With the panels in pairs, one stream a thread, a single row of x asks for nothing:
+// the hardware prefetcher follows the stream, and asking made the step's products at 1 row 3%
+// slower (paired passes of two builds, `benchmarks/product_bandwidth.py --against`), while from
+// 2 rows asking still helps (the pairs against the panels apart: 2 rows 0.94 of the time asking,
+// 0.98 not; 16 rows about 0.97 asking, 1.12 not).
+constexpr int64_t kPrefetchMinRows = 2, kPrefetchRows = 32;
 
-// Block b's slice of the PANELS panels kPrefetchPanels after `first` (panels of `pb` bytes): over
-// the nb blocks of a tile, exactly those panels, each line once.
+// Block b of the group kPrefetchGroups after group g: over the nb blocks of a tile, exactly that
+// group, each line once.
 // Always inlined: a function whose only effect is a prefetch has no side effects to GCC, which
 // deletes calls to it where it is not inlined (it did so to paged_attention.cpp's helpers).
-template <int FMT, int PANELS>
-__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* first, int64_t pb, int64_t b) {
-  constexpr int64_t kStep = kPanel * block_bytes(FMT);  // a block's bytes in a panel, pb / nb
-  for (int p = 0; p < PANELS; ++p) {
-    const uint8_t* at = first + (p + kPrefetchPanels) * pb + b * kStep;
-    for (int64_t o = 0; o < kStep; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o), _MM_HINT_T1);
-  }
+__attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w, const Layout& L, int64_t g,
+                                                         int64_t b) {
+  const uint8_t* at = w + L.group(2 * (g + kPrefetchGroups), b);
+  for (int64_t o = 0; o < L.cb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o), _MM_HINT_T1);
 }
 
 // Rows m0..m0+MR of x times the NV vectors of W rows from row n0 (a multiple of the lanes).
-// Row n's bytes sit in panel n / 16 (`pb` bytes each) at lane n % 16.
+// Row n's bytes sit in panel n / 16 at lane n % 16: 4 bytes a chunk, 2 of each scale.
 template <int FMT, int MR, int NV>
-inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, int64_t K, const Out& out,
-                 int64_t n0) {
-  const int64_t nb = K / kBlock, qb = quant_bytes(FMT);
-  const uint8_t* col[NV];
+inline void tile(const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t K, const Out& out, int64_t n0) {
+  const Layout L(FMT, K);
+  const int64_t nb = L.nb, cb = L.cb;
+  const uint8_t *col[NV], *scale[NV];  // block 0's nibbles and d of each vector's lanes
   for (int v = 0; v < NV; ++v) {
     const int64_t n = n0 + v * V::kLanes;
-    col[v] = w + n / kPanel * pb + n % kPanel * 4;  // its nibbles; its scales at half the offset
+    col[v] = w + L.weights(n / kPanel, 0) + n % kPanel * 4;
+    scale[v] = w + L.d(n / kPanel, 0) + n % kPanel * 2;
   }
-  // Where x has at most kPrefetchRows rows, the tiles of its rows over these panels ask for the
-  // panels ahead (the tile of a panel's first half, for the whole panel; none past W's last
-  // panel), by turns: the tile of rows m0.. for the blocks b with b % tiles == m0 / kRows, so that
+  // Where x has kPrefetchMinRows to kPrefetchRows rows, the tiles of its rows over these panels
+  // ask for the group ahead (the tiles from a group's first row, for the whole group; none past
+  // W's last group), by turns: the tile of rows m0.. for the blocks b with b % tiles == m0 / kRows, so that
   // the lines are asked for while every tile computes, not only while the first one reads.
-  constexpr int kPanels = (NV * V::kLanes + kPanel - 1) / kPanel;
   const int64_t tiles = std::max<int64_t>(1, (q.rows + V::kRows - 1) / V::kRows), turn = m0 / V::kRows;
-  const bool ahead = n0 % kPanel == 0 && q.rows <= kPrefetchRows &&
-                     n0 / kPanel + kPrefetchPanels + kPanels <= panels(out.N);
+  const bool ahead = n0 % kGroup == 0 && q.rows >= kPrefetchMinRows && q.rows <= kPrefetchRows &&
+                     n0 / kGroup + kPrefetchGroups < groups(out.N);
   // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
   // where the registers hold them: two and three rows of x take a third less time (AVX-512)
   constexpr bool kSplit = MR * NV <= V::kSplitTiles;
@@ -388,16 +415,16 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
     for (int h = 0; h < kSums; ++h)
       for (int m = 0; m < MR; ++m)
         for (int v = 0; v < NV; ++v) S[h][m][v] = V::zero();
-    if (ahead && b % tiles == turn) prefetch_ahead<FMT, kPanels>(w + n0 / kPanel * pb, pb, b);
+    if (ahead && b % tiles == turn) prefetch_ahead(w, L, n0 / kGroup, b);
     for (int c = 0; c < 4; ++c) {
       // weights 4c..4c+3 and 16+4c..16+4c+3 of the block: nibbles of one load, or two loads
       typename V::I lo[NV], hi[NV];
       for (int v = 0; v < NV; ++v) {
         if (FMT == kQ8_0) {
-          lo[v] = V::q8(V::load(col[v] + b * qb + c * 64));
-          hi[v] = V::q8(V::load(col[v] + b * qb + (c + 4) * 64));
+          lo[v] = V::q8(V::load(col[v] + b * cb + c * 64));
+          hi[v] = V::q8(V::load(col[v] + b * cb + (c + 4) * 64));
         } else {
-          const typename V::I bytes = V::load(col[v] + b * qb + c * 64);
+          const typename V::I bytes = V::load(col[v] + b * cb + c * 64);
           lo[v] = V::low(bytes);
           hi[v] = V::high(bytes);
         }
@@ -409,17 +436,16 @@ inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, 
         std::memcpy(&xh, xb + 16 + 4 * c, 4);
         const typename V::I bl = V::set1(xl), bh = V::set1(xh);
         for (int v = 0; v < NV; ++v) {
-          typename V::I &L = S[0][m][v], &H = S[kSums - 1][m][v];
-          L = FMT == kQ8_0 ? V::dot_q8(L, lo[v], bl) : V::dot_q4(L, lo[v], bl);
-          H = FMT == kQ8_0 ? V::dot_q8(H, hi[v], bh) : V::dot_q4(H, hi[v], bh);
+          typename V::I &sl = S[0][m][v], &sh = S[kSums - 1][m][v];
+          sl = FMT == kQ8_0 ? V::dot_q8(sl, lo[v], bl) : V::dot_q4(sl, lo[v], bl);
+          sh = FMT == kQ8_0 ? V::dot_q8(sh, hi[v], bh) : V::dot_q4(sh, hi[v], bh);
         }
       }
     }
     typename V::F d[NV], mn[NV];
     for (int v = 0; v < NV; ++v) {
-      const uint8_t* scales = col[v] - (n0 + v * V::kLanes) % kPanel * 2 + nb * qb + b * 32;
-      d[v] = V::halves(scales);
-      mn[v] = FMT == kQ4_1 ? V::halves(scales + nb * 32) : V::zerof();
+      d[v] = V::halves(scale[v] + b * cb);
+      mn[v] = FMT == kQ4_1 ? V::halves(scale[v] + b * cb + 64) : V::zerof();
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * nb + b;
@@ -448,34 +474,35 @@ constexpr int kLanes = V::kLanes, kRowTile = V::kRows, kColTile = V::kCols, kUni
 #else
 // The portable loop: one panel a vector.
 template <int FMT, int MR, int NV>
-inline void tile(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m0, int64_t K, const Out& out,
-                 int64_t n0) {
-  const int64_t nb = K / kBlock, qb = quant_bytes(FMT);
+inline void tile(const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t K, const Out& out, int64_t n0) {
+  const Layout L(FMT, K);
+  const int64_t nb = L.nb, cb = L.cb;
   for (int r = 0; r < NV; ++r) {
-    const uint8_t* p = w + (n0 / kPanel + r) * pb;
+    const uint8_t *p = w + L.weights(n0 / kPanel + r, 0), *scales = w + L.d(n0 / kPanel + r, 0);
     float acc[MR][kPanel] = {};
     for (int64_t b = 0; b < nb; ++b) {
       int32_t S[MR][kPanel] = {};
       for (int c = 0; c < 4; ++c)
         for (int n = 0; n < kPanel; ++n)
           for (int t = 0; t < 4; ++t) {
-            const uint8_t byte = p[b * qb + c * 64 + n * 4 + t];
+            const uint8_t byte = p[b * cb + c * 64 + n * 4 + t];
             // the weights meeting x[4c + t] and x[16 + 4c + t]
             const int32_t lo = FMT == kQ8_0 ? static_cast<int8_t>(byte) : byte & 15;
-            const int32_t hi = FMT == kQ8_0 ? static_cast<int8_t>(p[b * qb + (c + 4) * 64 + n * 4 + t]) : byte >> 4;
+            const int32_t hi =
+                FMT == kQ8_0 ? static_cast<int8_t>(p[b * cb + (c + 4) * 64 + n * 4 + t]) : byte >> 4;
             for (int m = 0; m < MR; ++m) {
               const int8_t* xb = q.xq.data() + (m0 + m) * K + b * kBlock;
               S[m][n] += lo * xb[4 * c + t] + hi * xb[16 + 4 * c + t];
             }
           }
-      const uint8_t* scales = p + nb * qb + b * 32;
+      const uint8_t* d = scales + b * cb;
       for (int m = 0; m < MR; ++m) {
         const int64_t at = (m0 + m) * nb + b;
         for (int n = 0; n < kPanel; ++n) {
           int32_t s = S[m][n];
           if (FMT == kQ4_0) s -= 8 * q.sumq[at];
-          acc[m][n] += static_cast<float>(s) * (half_at(scales + 2 * n) * q.dx[at]);
-          if (FMT == kQ4_1) acc[m][n] += half_at(scales + nb * 32 + 2 * n) * q.sx[at];
+          acc[m][n] += static_cast<float>(s) * (half_at(d + 2 * n) * q.dx[at]);
+          if (FMT == kQ4_1) acc[m][n] += half_at(d + 64 + 2 * n) * q.sx[at];
         }
       }
     }
@@ -488,18 +515,18 @@ constexpr int kLanes = kPanel, kRowTile = 4, kColTile = 1, kUnit = 2;
 // Rows m_begin..m_end of x times NV vectors of W rows from n0: kRowTile rows at a time by
 // kColTile vectors; the one to three rows left in one more pass (a single row by all NV at once).
 template <int FMT, int NV>
-void sweep_rows(const uint8_t* w, int64_t pb, const QuantizedX& q, int64_t m_begin, int64_t m_end, int64_t K,
+void sweep_rows(const uint8_t* w, const QuantizedX& q, int64_t m_begin, int64_t m_end, int64_t K,
                 const Out& out, int64_t n0) {
   static_assert(NV % kColTile == 0 || NV < kColTile, "a unit is whole tiles");
   constexpr int kTile = NV < kColTile ? NV : kColTile;
   int64_t m0 = m_begin;
   for (; m0 + kRowTile <= m_end; m0 += kRowTile)
-    for (int v = 0; v < NV; v += kTile) tile<FMT, kRowTile, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes);
+    for (int v = 0; v < NV; v += kTile) tile<FMT, kRowTile, kTile>(w, q, m0, K, out, n0 + v * kLanes);
   static_assert(kRowTile == 4, "the rows left are one to three");
   switch (m_end - m0) {
-    case 1: tile<FMT, 1, NV>(w, pb, q, m0, K, out, n0); break;
-    case 2: for (int v = 0; v < NV; v += kTile) tile<FMT, 2, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
-    case 3: for (int v = 0; v < NV; v += kTile) tile<FMT, 3, kTile>(w, pb, q, m0, K, out, n0 + v * kLanes); break;
+    case 1: tile<FMT, 1, NV>(w, q, m0, K, out, n0); break;
+    case 2: for (int v = 0; v < NV; v += kTile) tile<FMT, 2, kTile>(w, q, m0, K, out, n0 + v * kLanes); break;
+    case 3: for (int v = 0; v < NV; v += kTile) tile<FMT, 3, kTile>(w, q, m0, K, out, n0 + v * kLanes); break;
     default: break;
   }
 }
@@ -517,7 +544,7 @@ static_assert(kChunkRows % kRowTile == 0, "a chunk's rows are whole tiles but in
 
 template <int FMT>
 void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M, int64_t K) {
-  const int64_t vectors = panels(out.N) * kPanel / kLanes, pb = kPanel * (K / kBlock) * block_bytes(FMT);
+  const int64_t vectors = panels(out.N) * kPanel / kLanes;
   const int64_t units = (vectors + kUnit - 1) / kUnit;
   // a few rows stream the weights: ranges of at least several units; many rows compute
   const int64_t grain = M <= 8 ? 4 : 1;
@@ -536,9 +563,9 @@ void linear_fmt(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
     const int64_t u = task % units, m_begin = task / units * chunk_rows;
     const int64_t m_end = std::min(M, m_begin + chunk_rows), v0 = u * kUnit;
     if (v0 + kUnit <= vectors) {
-      sweep_rows<FMT, kUnit>(w, pb, q, m_begin, m_end, K, out, v0 * kLanes);
+      sweep_rows<FMT, kUnit>(w, q, m_begin, m_end, K, out, v0 * kLanes);
     } else {
-      for (int64_t v = v0; v < vectors; ++v) sweep_rows<FMT, 1>(w, pb, q, m_begin, m_end, K, out, v * kLanes);
+      for (int64_t v = v0; v < vectors; ++v) sweep_rows<FMT, 1>(w, q, m_begin, m_end, K, out, v * kLanes);
     }
   });
 }
@@ -561,7 +588,7 @@ TileBuffer<T> tile_buffer(int64_t count) {
   TORCH_CHECK(buf, "out of memory for ", bytes, " bytes of tiles");
   return buf;
 }
-constexpr int64_t kAmxGroup = 4;  // panels unpacked together, each tile of rows times all four
+constexpr int64_t kAmxRun = 4;  // panels unpacked together, each tile of rows times all four
 
 // From this many rows of x the AMX tiles run; below, the VNNI path (measured: see the header).
 constexpr int64_t amx_min_rows(int fmt) { return fmt == kQ8_0 ? 16 : 32; }
@@ -596,21 +623,28 @@ void configure_tiles() {
   _tile_loadconfig(&cfg);
 }
 
-// A panel's blocks as B tiles, block b at b * 512: Q8_0's bytes are tiles as they lie; Q4's
-// nibbles become bytes, chunk c's low ones (K 4c..4c+3) tile row c, its high ones (K 16+4c..)
-// row 4 + c, and Q4_0's less 8 (signed), so that its tile sums are S - 8 sumq.
+// A panel's B tiles: block b's at p + b * stride.
+struct BTiles {
+  const uint8_t* p;
+  int64_t stride;
+};
+
+// A panel's blocks as B tiles (block 0's weight bytes at `qs`, a block `cb` bytes after the one
+// before): Q8_0's bytes are tiles as they lie; Q4's nibbles become bytes in `buf` (a block's tile
+// at b * 512), chunk c's low ones (K 4c..4c+3) tile row c, its high ones (K 16+4c..) row 4 + c,
+// and Q4_0's less 8 (signed), so that its tile sums are S - 8 sumq.
 template <int FMT>
-const uint8_t* b_tiles(const uint8_t* panel, int64_t nb, uint8_t* buf) {
-  if (FMT == kQ8_0) return panel;
+BTiles b_tiles(const uint8_t* qs, int64_t nb, int64_t cb, uint8_t* buf) {
+  if (FMT == kQ8_0) return {qs, cb};
   const __m512i offset = _mm512_set1_epi8(FMT == kQ4_0 ? 8 : 0);
   for (int64_t b = 0; b < nb; ++b)
     for (int c = 0; c < 4; ++c) {
-      const __m512i bytes = V::load(panel + b * 256 + c * 64);
+      const __m512i bytes = V::load(qs + b * cb + c * 64);
       _mm512_storeu_si512(buf + b * 512 + c * 64, _mm512_sub_epi8(V::low(bytes), offset));
       _mm512_storeu_si512(buf + b * 512 + (c + 4) * 64, _mm512_sub_epi8(V::high(bytes), offset));
     }
   asm volatile("" ::: "memory");  // tileloadd's intrinsic does not tell the compiler it reads memory
-  return buf;
+  return {buf, 512};
 }
 
 // The tile instructions name their tiles in the instruction itself (the intrinsics paste the
@@ -643,11 +677,11 @@ inline void block_dot(const int8_t* a, int64_t K, const uint8_t* bt) {
 // Blocks b and b + 1 (where there is one) into c[0] and c[1]: both products started before
 // either is stored, so that their latencies overlap.
 template <int FMT>
-inline void pair_sums(const int8_t* a, int64_t K, const uint8_t* bt, int64_t b, int64_t nb,
+inline void pair_sums(const int8_t* a, int64_t K, const BTiles& bt, int64_t b, int64_t nb,
                       int32_t (&c)[2][kTileRows * kPanel]) {
   const bool two = b + 1 < nb;
-  block_dot<FMT, 0>(a + b * kBlock, K, bt + b * 512);
-  if (two) block_dot<FMT, 1>(a + (b + 1) * kBlock, K, bt + (b + 1) * 512);
+  block_dot<FMT, 0>(a + b * kBlock, K, bt.p + b * bt.stride);
+  if (two) block_dot<FMT, 1>(a + (b + 1) * kBlock, K, bt.p + (b + 1) * bt.stride);
   _tile_stored(0, c[0], 64);
   if (two) _tile_stored(1, c[1], 64);
 }
@@ -666,12 +700,13 @@ void tile_scales(QuantizedX& q, int64_t rows, int64_t nb) {
 }
 
 // Block b's sums `c` times their scales into acc (a row of x a vector; dx and sx the tile's
-// block b): the VNNI tile's float operations in its order, so both paths give the same products.
+// block b; the panel's d of block 0 at `scales`, a block's `cb` bytes after the one before): the
+// VNNI tile's float operations in its order, so both paths give the same products.
 template <int FMT>
-inline void scale_block(const int32_t* c, const float* dx, const float* sx, const uint8_t* scales, int64_t nb,
+inline void scale_block(const int32_t* c, const float* dx, const float* sx, const uint8_t* scales, int64_t cb,
                         int64_t b, __m512 (&acc)[kTileRows]) {
-  const __m512 d = V::halves(scales + b * 32);
-  const __m512 mn = FMT == kQ4_1 ? V::halves(scales + (nb + b) * 32) : V::zerof();
+  const __m512 d = V::halves(scales + b * cb);
+  const __m512 mn = FMT == kQ4_1 ? V::halves(scales + b * cb + 64) : V::zerof();
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const __m512i sums = V::load(reinterpret_cast<const uint8_t*>(c + r * kPanel));
@@ -681,11 +716,12 @@ inline void scale_block(const int32_t* c, const float* dx, const float* sx, cons
 }
 
 // Rows m0..m0+15 of x times a panel's 16 rows (W rows from n0), whose B tiles lie at `bt` and
-// scales at `scales`. A pair of blocks is scaled while the next pair's tiles run (vector loads
-// of a tile store's sums wait for it to reach memory: they read sums stored a pair earlier).
+// scales at `scales` (block 0's d; a block's `cb` bytes after the one before). A pair of blocks
+// is scaled while the next pair's tiles run (vector loads of a tile store's sums wait for it to
+// reach memory: they read sums stored a pair earlier).
 template <int FMT>
-void amx_tile(const uint8_t* bt, const uint8_t* scales, const QuantizedX& q, int64_t m0, int64_t K, const Out& out,
-              int64_t n0) {
+void amx_tile(const BTiles& bt, const uint8_t* scales, int64_t cb, const QuantizedX& q, int64_t m0, int64_t K,
+              const Out& out, int64_t n0) {
   const int64_t nb = K / kBlock;
   const int8_t* a = q.xq.data() + m0 * K;
   const float *dx = q.dx_tiles.data() + m0 * nb, *sx = q.sx_tiles.data() + m0 * nb;
@@ -697,8 +733,9 @@ void amx_tile(const uint8_t* bt, const uint8_t* scales, const QuantizedX& q, int
   for (int64_t b = 0; b < nb; b += 2) {
     const int64_t pair = b / 2 % 2;
     if (b + 2 < nb) pair_sums<FMT>(a, K, bt, b + 2, nb, c[1 - pair]);
-    scale_block<FMT>(c[pair][0], dx + b * kTileRows, sx + b * kTileRows, scales, nb, b, acc);
-    if (b + 1 < nb) scale_block<FMT>(c[pair][1], dx + (b + 1) * kTileRows, sx + (b + 1) * kTileRows, scales, nb, b + 1, acc);
+    scale_block<FMT>(c[pair][0], dx + b * kTileRows, sx + b * kTileRows, scales, cb, b, acc);
+    if (b + 1 < nb)
+      scale_block<FMT>(c[pair][1], dx + (b + 1) * kTileRows, sx + (b + 1) * kTileRows, scales, cb, b + 1, acc);
   }
   // stored whole first: acc stays in registers only if every index into it is a constant
   float vals[kTileRows][kPanel];
@@ -708,22 +745,24 @@ void amx_tile(const uint8_t* bt, const uint8_t* scales, const QuantizedX& q, int
 }
 
 // Panels split over threads, each of which sets up its own tiles (their state is per thread).
-// A group of panels at a time: their Q4 blocks unpacked once for all the tiles of rows of x, and
-// each tile of rows times every panel of the group while its xq is in L1 (a fifth less time at
+// A run of panels at a time: their Q4 blocks unpacked once for all the tiles of rows of x, and
+// each tile of rows times every panel of the run while its xq is in L1 (a fifth less time at
 // 2048 rows, where xq outgrows L2).
 template <int FMT>
 void linear_amx(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M, int64_t K) {
-  const int64_t nb = K / kBlock, pb = kPanel * nb * block_bytes(FMT), np = panels(out.N);
+  const Layout L(FMT, K);
+  const int64_t nb = L.nb, np = panels(out.N);
   at::parallel_for(0, np, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    const TileBuffer<uint8_t> buf = tile_buffer<uint8_t>(FMT == kQ8_0 ? 0 : kAmxGroup * nb * 512);
-    const uint8_t* bt[kAmxGroup];
-    for (int64_t p0 = begin; p0 < end; p0 += kAmxGroup) {
-      const int64_t group = std::min(kAmxGroup, end - p0);
-      for (int64_t g = 0; g < group; ++g) bt[g] = b_tiles<FMT>(w + (p0 + g) * pb, nb, buf.get() + g * nb * 512);
+    const TileBuffer<uint8_t> buf = tile_buffer<uint8_t>(FMT == kQ8_0 ? 0 : kAmxRun * nb * 512);
+    BTiles bt[kAmxRun];
+    for (int64_t p0 = begin; p0 < end; p0 += kAmxRun) {
+      const int64_t run = std::min(kAmxRun, end - p0);
+      for (int64_t g = 0; g < run; ++g)
+        bt[g] = b_tiles<FMT>(w + L.weights(p0 + g, 0), nb, L.cb, buf.get() + g * nb * 512);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        for (int64_t g = 0; g < group; ++g)
-          amx_tile<FMT>(bt[g], w + (p0 + g) * pb + nb * quant_bytes(FMT), q, m0, K, out, (p0 + g) * kPanel);
+        for (int64_t g = 0; g < run; ++g)
+          amx_tile<FMT>(bt[g], w + L.d(p0 + g, 0), L.cb, q, m0, K, out, (p0 + g) * kPanel);
     }
     _tile_release();
   });
@@ -811,21 +850,24 @@ void dequantize_block(const uint8_t* qs, __m512 d, __m512 offset, __m512i order,
 // The B tiles of a run of panels, made a few blocks at a time (`step`) between tile products.
 template <int FMT>
 struct PanelTiles {
-  const uint8_t* w;  // the first panel
-  int64_t pb, nb;    // a panel's bytes, its blocks
-  uint16_t* tiles;   // [panel][nb][kPairTile]
+  const uint8_t* w;  // W's panels
+  Layout L;
+  int64_t first = 0;  // the run's first panel
+  uint16_t* tiles = nullptr;  // [panel][nb][kPairTile]
   int64_t total = 0, done = 0;  // blocks
 
-  void start(const uint8_t* first, int64_t count, uint16_t* to) { w = first, tiles = to, total = count * nb, done = 0; }
+  void start(int64_t panel, int64_t count, uint16_t* to) {
+    first = panel, tiles = to, total = count * L.nb, done = 0;
+  }
   void step(int64_t blocks) {
     const __m512i order = pair_order();
     for (const int64_t stop = std::min(total, done + blocks); done < stop; ++done) {
-      const int64_t b = done % nb;
-      const uint8_t* panel = w + done / nb * pb;
-      const uint8_t* scales = panel + nb * quant_bytes(FMT) + b * 32;
+      const int64_t b = done % L.nb, p = first + done / L.nb;
+      const uint8_t* scales = w + L.d(p, b);
       const __m512 d = V::halves(scales);
-      const __m512 offset = FMT == kQ4_1 ? V::halves(scales + nb * 32) : FMT == kQ4_0 ? V::mul(d, V::set1f(-8.f)) : V::zerof();
-      dequantize_block<FMT>(panel + b * quant_bytes(FMT), d, offset, order, tiles + done * kPairTile);
+      const __m512 offset =
+          FMT == kQ4_1 ? V::halves(scales + 64) : FMT == kQ4_0 ? V::mul(d, V::set1f(-8.f)) : V::zerof();
+      dequantize_block<FMT>(w + L.weights(p, b), d, offset, order, tiles + done * kPairTile);
     }
   }
   void finish() {
@@ -975,7 +1017,8 @@ inline int64_t chunk_rows(int64_t K) {
 // every tile of rows of the chunk multiplies them.
 template <int FMT>
 void bf16_product(const uint16_t* a, int64_t M, const uint8_t* w, int64_t K, const Out& out) {
-  const int64_t nb = K / kBlock, pb = kPanel * nb * block_bytes(FMT), np = panels(out.N);
+  const Layout L(FMT, K);
+  const int64_t nb = L.nb, np = panels(out.N);
   const bool tiles = amx_allowed();
   at::parallel_for(0, (np + 1) / 2, 1, [&](int64_t begin, int64_t end) {
     if (tiles) configure_bf16_tiles();
@@ -986,13 +1029,13 @@ void bf16_product(const uint16_t* a, int64_t M, const uint8_t* w, int64_t K, con
     const int64_t chunks = (M + chunk - 1) / chunk;
     const int64_t items = chunks * pairs;  // item i: chunk i / pairs, pair begin + i % pairs
     auto pair_of = [&](int64_t i) { return begin + i % pairs; };
-    PanelTiles<FMT> next{w, pb, nb, nullptr};
-    next.start(w + 2 * begin * pb, count(begin), buffers[0].get());
+    PanelTiles<FMT> next{w, L};
+    next.start(2 * begin, count(begin), buffers[0].get());
     next.finish();
     for (int64_t i = 0; i < items; ++i) {
       const int64_t pair = pair_of(i), m0 = i / pairs * chunk, rows = std::min(chunk, M - m0);
       const int64_t after = pair_of(i + 1);
-      next.start(w + 2 * after * pb, i + 1 < items ? count(after) : 0, buffers[(i + 1) % 2].get());
+      next.start(2 * after, i + 1 < items ? count(after) : 0, buffers[(i + 1) % 2].get());
       rows_times_panels<FMT>(a + m0 * K, rows, K, buffers[i % 2].get(), count(pair), 2 * pair, tiles,
                              out.from_row(m0), next);
     }
@@ -1040,35 +1083,35 @@ std::string isa() {
 #endif
 }
 
-// Byte offsets, within a panel, of row n's block b: its weight byte j (16 of Q4's, 32 of Q8_0's),
-// its d and m.
+// Byte offsets, from W's first byte, of row n's block b: its weight byte j (16 of Q4's, 32 of
+// Q8_0's), its d and m.
 struct PanelOffsets {
-  int64_t nb, qb;
-  int64_t quant(int64_t n, int64_t b, int64_t j) const { return b * qb + (j / 4) * 64 + n * 4 + j % 4; }
-  int64_t d(int64_t n, int64_t b) const { return nb * qb + b * 32 + n * 2; }
-  int64_t m(int64_t n, int64_t b) const { return nb * (qb + 32) + b * 32 + n * 2; }
+  Layout L;
+  int64_t quant(int64_t n, int64_t b, int64_t j) const {
+    return L.weights(n / kPanel, b) + (j / 4) * 64 + n % kPanel * 4 + j % 4;
+  }
+  int64_t d(int64_t n, int64_t b) const { return L.d(n / kPanel, b) + n % kPanel * 2; }
+  int64_t m(int64_t n, int64_t b) const { return L.m(n / kPanel, b) + n % kPanel * 2; }
 };
 
-// GGUF rows [N, row bytes] -> panels [panels(N) * 16, row bytes] (zero rows padding the last).
+// GGUF rows [N, row bytes] -> panels [panel_rows(N), row bytes] (zero rows padding the last
+// group).
 at::Tensor pack_panels(at::Tensor w, int64_t fmt, int64_t K) {
   check(w, fmt, K);
-  const int64_t N = w.size(0), rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt), np = panels(N);
-  auto out = at::zeros({np * kPanel, rb}, w.options());
+  const int64_t N = w.size(0), rb = w.size(1), nb = K / kBlock, bb = block_bytes(fmt);
+  auto out = at::zeros({panel_rows(N), rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
-  uint8_t* dst = out.data_ptr<uint8_t>();
-  const PanelOffsets at{nb, quant_bytes(fmt)};
+  uint8_t* p = out.data_ptr<uint8_t>();
+  const PanelOffsets at{Layout(fmt, K)};
   const int64_t head = head_bytes(fmt), weight_bytes = bb - head;
   at::parallel_for(0, N, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row) {
-      uint8_t* p = dst + row / kPanel * kPanel * rb;
-      const int64_t n = row % kPanel;
+    for (int64_t n = begin; n < end; ++n)
       for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* blk = src + row * rb + b * bb;
+        const uint8_t* blk = src + n * rb + b * bb;
         std::memcpy(p + at.d(n, b), blk, 2);
         if (fmt == kQ4_1) std::memcpy(p + at.m(n, b), blk + 2, 2);
         for (int64_t j = 0; j < weight_bytes; j += 4) std::memcpy(p + at.quant(n, b, j), blk + head + j, 4);
       }
-    }
   });
   return out;
 }
@@ -1076,7 +1119,7 @@ at::Tensor pack_panels(at::Tensor w, int64_t fmt, int64_t K) {
 // Panels of N rows -> GGUF rows: all N, or those `index` names (an embedding's lookup).
 at::Tensor unpack_panels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::optional<at::Tensor> index) {
   check(w, fmt, K);
-  TORCH_CHECK(N >= 0 && w.size(0) == panels(N) * kPanel, "panels hold ", w.size(0), " rows, not panels of ", N);
+  TORCH_CHECK(N >= 0 && w.size(0) == panel_rows(N), "panels hold ", w.size(0), " rows, not panels of ", N);
   at::Tensor rows = index.has_value() && index->defined() ? index->to(at::kLong).contiguous().view(-1)
                                                               : at::arange(N, at::kLong);
   const int64_t* ids = rows.data_ptr<int64_t>();
@@ -1085,19 +1128,17 @@ at::Tensor unpack_panels(at::Tensor w, int64_t fmt, int64_t K, int64_t N, c10::o
   auto out = at::empty({R, rb}, w.options());
   const uint8_t* src = w.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
-  const PanelOffsets at{nb, quant_bytes(fmt)};
+  const PanelOffsets at{Layout(fmt, K)};
   const int64_t head = head_bytes(fmt), weight_bytes = bb - head;
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const uint8_t* p = src + ids[r] / kPanel * kPanel * rb;
-      const int64_t n = ids[r] % kPanel;
+    for (int64_t r = begin; r < end; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         uint8_t* blk = dst + r * rb + b * bb;
-        std::memcpy(blk, p + at.d(n, b), 2);
-        if (fmt == kQ4_1) std::memcpy(blk + 2, p + at.m(n, b), 2);
-        for (int64_t j = 0; j < weight_bytes; j += 4) std::memcpy(blk + head + j, p + at.quant(n, b, j), 4);
+        std::memcpy(blk, src + at.d(ids[r], b), 2);
+        if (fmt == kQ4_1) std::memcpy(blk + 2, src + at.m(ids[r], b), 2);
+        for (int64_t j = 0; j < weight_bytes; j += 4)
+          std::memcpy(blk + head + j, src + at.quant(ids[r], b, j), 4);
       }
-    }
   });
   return out;
 }
@@ -1115,7 +1156,7 @@ struct Operands {
 Operands operands(const at::Tensor& x, const at::Tensor& w, int64_t fmt, int64_t K, int64_t N,
                   const c10::optional<at::Tensor>& bias, const at::Tensor& y = {}) {
   check(w, fmt, K);
-  TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ", N);
+  TORCH_CHECK(N > 0 && w.size(0) == panel_rows(N), "W holds ", w.size(0), " panel rows, not panels of ", N);
   Operands o;
   o.x = kvserve::checked_x(x, K);
   o.M = x.size(0);
@@ -1177,8 +1218,7 @@ pybind11::capsule rows_op(const std::string& name, at::Tensor w, int64_t fmt, in
                           c10::optional<at::Tensor> bias) {
   TORCH_CHECK(name == "linear_q8", "this kernel's product is linear_q8, not ", name);
   check(w, fmt, K);
-  TORCH_CHECK(N > 0 && w.size(0) == panels(N) * kPanel, "W holds ", w.size(0), " panel rows, not panels of ",
-              N);
+  TORCH_CHECK(N > 0 && w.size(0) == panel_rows(N), "W holds ", w.size(0), " panel rows, not panels of ", N);
   return kvserve::to_capsule<kvserve::RowsOp>(std::make_unique<BoundPanels>(w, fmt, K, N, bias));
 }
 
