@@ -245,7 +245,7 @@ def paired_passes(products: list[Product], builds: dict[str, Any], rows: int, pa
     # the same panels for both where the builds lay W out alike (two copies of the weights could
     # lie on pages of unequal cost, which would weigh on one build's every pass); else each its own
     shared: dict[int, torch.Tensor] = {}
-    passes = {k: step_calls("linear_q8", m, products, xs, shared if alike else {}) for k, m in builds.items()}
+    passes = {k: step_calls("linear_q8", m, products, xs, shared if alike else None) for k, m in builds.items()}
     first, second = builds
     equal = all(torch.equal(f(), h()) for (_, f), (_, h) in zip(passes[first], passes[second]))
     spent: dict[str, dict[str, list[float]]] = {k: {} for k in builds}
@@ -307,8 +307,9 @@ def cold_and_hot(products: list[Product], module: Any, threads: int, reps: int) 
     last read a pass, 92 MiB, before: from memory) and the same call again at once (from the
     caches), and in a pass of its own a torch sum over each call's weight bytes in the same
     order (from memory), medians over `reps` passes; a call over one panel (16 W rows, cached: the
-    call's own cost); and line_through's line of the layer products' times from memory over their
-    bytes."""
+    call's own cost; padded to a pair of panels since the panels went in pairs, so runs stored
+    before that read half the bytes); and line_through's line of the layer products' times from
+    memory over their bytes."""
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     xs = {p.k: torch.randn(1, p.k, generator=g) for p in products}

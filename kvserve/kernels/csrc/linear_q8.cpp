@@ -31,10 +31,13 @@
 // lane sums one output (rows of W are the 16 lanes), and the per-block scales of the 16 rows are
 // one vector. The four x bytes a lane meets are the same for every lane: a broadcast.
 // The pairs are for memory: with each panel's weights, then its d, then its m apart, a thread
-// read six streams at once (two panels of three). A decode step's products of SmolLM2 against
-// that layout (`benchmarks/product_bandwidth.py --against`, paired passes, 2 threads, AMD EPYC
-// Zen 4, outputs equal bit for bit), three runs: 1 row of x 0.90-1.00 of the time (the Q8_0
-// head alone 0.93-1.08), 2 to 16 rows 0.96-1.03, 64 rows 0.93-0.96. Offsets: `Layout`.
+// read several streams at once (six for Q4_1 with AVX-512's two panels a unit). A decode step's
+// products of SmolLM2 against that layout (`benchmarks/product_bandwidth.py --against`, paired
+// passes, each build its own copy of W, whose pages may cost unequally; 2 threads, AMD EPYC Zen
+// 4, outputs equal bit for bit): 1 row of x 0.90-1.10 of the time in five runs, 2 to 16 rows
+// 0.96-1.03 in two, 64 rows 0.93-1.00 in six. No change these runs resolve at a few rows; at most
+// a few percent less at 64. The AVX2 build (on Zen 4): 1 row 0.97, 4 rows 1.00, 64 rows 1.00.
+// Offsets: `Layout`.
 //
 // Paths: AVX-512 VNNI (a vector is a panel), AVX2 (half a panel; the byte dot product takes two
 // instructions), and a portable loop over the same layout (setup.py builds this file once
@@ -57,7 +60,7 @@
 // to 1.5 times VNNI's for Q4 from 32 rows, 2.5 times for Q8_0 (measured when VNNI took Q8_0's
 // signed bytes as |q| with q's sign; taken as q + 128 they cost VNNI a fifth less time, and the
 // 16 rows from which Q8_0 goes to AMX were not measured again). Whole tiles of 16 rows go to
-// AMX, the rows left to VNNI; threads split the panels, a run of four at a time, so that each
+// AMX, the rows left to VNNI; threads split the panels, four at a time, so that each
 // tile of rows is read from L1 for four panels.
 //
 // The amx build has a second product, linear_bf16_tiles: what a dense bf16 copy of W multiplied
@@ -108,14 +111,16 @@ inline int64_t groups(int64_t n) { return (n + kGroup - 1) / kGroup; }
 inline int64_t panel_rows(int64_t n) { return groups(n) * kGroup; }
 
 // Where panel p's block b lies (byte offsets from W's first byte; see the header): its weight
-// bytes, its 16 d and its 16 m (Q4_1). A panel's next block is `cb` bytes on.
+// bytes, its 16 d and its 16 m (Q4_1, kDToM bytes after its d). A panel's next block is `cb`
+// bytes on.
 struct Layout {
+  static constexpr int64_t kDToM = 2 * kPanel * 2;  // past both panels' d (16 fp16 each)
   int64_t nb, qb, cb;  // blocks a row, a panel's weight bytes a block, a group's bytes a block
   Layout(int64_t fmt, int64_t K) : nb(K / kBlock), qb(quant_bytes(fmt)), cb(2 * kPanel * block_bytes(fmt)) {}
-  int64_t group(int64_t p, int64_t b) const { return p / 2 * nb * cb + b * cb; }
-  int64_t weights(int64_t p, int64_t b) const { return group(p, b) + p % 2 * qb; }
-  int64_t d(int64_t p, int64_t b) const { return group(p, b) + 2 * qb + p % 2 * 32; }
-  int64_t m(int64_t p, int64_t b) const { return d(p, b) + 64; }
+  int64_t group(int64_t g, int64_t b) const { return (g * nb + b) * cb; }  // group g's block b
+  int64_t weights(int64_t p, int64_t b) const { return group(p / 2, b) + p % 2 * qb; }
+  int64_t d(int64_t p, int64_t b) const { return group(p / 2, b) + 2 * qb + p % 2 * 32; }
+  int64_t m(int64_t p, int64_t b) const { return d(p, b) + kDToM; }
 };
 
 inline float half_at(const uint8_t* p) {
@@ -166,6 +171,7 @@ struct V {
   static constexpr int kLanes = 16, kRows = 4, kCols = 2;  // a tile: rows of x, vectors of W rows
   static constexpr int kUnit = 2;  // vectors of W rows a thread takes at a time
   static constexpr int kSplitTiles = 6;  // tiles of up to 6 vectors keep two sums a block
+  static constexpr int64_t kPrefetchMinRows = 2;  // a single row asks for no panels ahead (below)
   static I load(const uint8_t* p) { return _mm512_loadu_si512(p); }
   static I set1(int32_t v) { return _mm512_set1_epi32(v); }
   static I low(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(15)); }
@@ -219,6 +225,7 @@ struct V {
   static constexpr int kLanes = 8, kRows = 4, kCols = 1;  // 16 registers: 4 x 1 tiles
   static constexpr int kUnit = 2;  // a panel; single rows take both vectors at once
   static constexpr int kSplitTiles = 0;  // 16 registers: one sum a block
+  static constexpr int64_t kPrefetchMinRows = 1;  // a single row asks too (measured before the pairs)
   static I load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
   static I set1(int32_t v) { return _mm256_set1_epi32(v); }
   static I low(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(15)); }
@@ -357,7 +364,8 @@ struct Out {
 // The lines go to L2 (the T1 hint), not L1, whose outstanding misses they would fill: one batch-1
 // decode step's products of SmolLM2 (30 layers and the head, out of DRAM, 2 threads, AMD EPYC
 // Zen 4) took 3.98 ms against 5.10 with the T0 hint (three rows of x: 5.04 against 6.78); two
-// and six panels ahead gave the same as four.
+// and six panels ahead gave the same as four (those figures, and the ones below, are from panels
+// that lay apart: each panel's weights, then its scales).
 constexpr int64_t kPrefetchGroups = 2;
 // Up to how many rows of x the tiles ask for the panels ahead. A decode step's products of SmolLM2
 // (2 threads, Zen 4, benchmarks/product_bandwidth.py) at 4 / 6 / 8 / 12 / 16 / 32 rows of x took
@@ -366,13 +374,13 @@ constexpr int64_t kPrefetchGroups = 2;
 // in turn (one row: 3.7-4.5). From 48 rows on, whose tiles compute many times longer than W takes
 // to read, asking changed nothing beyond the noise (48 to 128 rows, three interleaved runs); 33 to
 // 47 were not measured. (The AMX build's rows left after its tiles of 16, fewer than 16, ask too.)
-// Those figures are from panels that lay apart (each panel's weights, then its scales: six streams
-// a thread). With the panels in pairs, one stream a thread, a single row of x asks for nothing:
-// the hardware prefetcher follows the stream, and asking made the step's products at 1 row 3%
-// slower (paired passes of two builds, `benchmarks/product_bandwidth.py --against`), while from
-// 2 rows asking still helps (the pairs against the panels apart: 2 rows 0.94 of the time asking,
-// 0.98 not; 16 rows about 0.97 asking, 1.12 not).
-constexpr int64_t kPrefetchMinRows = 2, kPrefetchRows = 32;
+// With the panels in pairs (one stream a thread), AVX-512 asks from 2 rows (V::kPrefetchMinRows):
+// at 1 row asking took 1.03 of the time of not asking (one run, within the spread of runs), and
+// at 16 rows not asking took 1.125 of the time of the panels apart (the head 1.35) where asking
+// took 0.95-1.00; 2 rows 0.94 asking, 0.98 not (one run each); 4 to 32 not measured again. The
+// AVX2 build still asks at 1 row (30 layers of a single row: 3.1 -> 2.0 ms on a Zen 3 EPYC with
+// the panels apart; not measured there since).
+constexpr int64_t kPrefetchRows = 32;
 
 // Block b of the group kPrefetchGroups after group g: over the nb blocks of a tile, exactly that
 // group, each line once.
@@ -380,7 +388,7 @@ constexpr int64_t kPrefetchMinRows = 2, kPrefetchRows = 32;
 // deletes calls to it where it is not inlined (it did so to paged_attention.cpp's helpers).
 __attribute__((always_inline)) inline void prefetch_ahead(const uint8_t* w, const Layout& L, int64_t g,
                                                          int64_t b) {
-  const uint8_t* at = w + L.group(2 * (g + kPrefetchGroups), b);
+  const uint8_t* at = w + L.group(g + kPrefetchGroups, b);
   for (int64_t o = 0; o < L.cb; o += 64) _mm_prefetch(reinterpret_cast<const char*>(at + o), _MM_HINT_T1);
 }
 
@@ -396,12 +404,12 @@ inline void tile(const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t K, c
     col[v] = w + L.weights(n / kPanel, 0) + n % kPanel * 4;
     scale[v] = w + L.d(n / kPanel, 0) + n % kPanel * 2;
   }
-  // Where x has kPrefetchMinRows to kPrefetchRows rows, the tiles of its rows over these panels
+  // Where x has V::kPrefetchMinRows to kPrefetchRows rows, the tiles of its rows over these panels
   // ask for the group ahead (the tiles from a group's first row, for the whole group; none past
   // W's last group), by turns: the tile of rows m0.. for the blocks b with b % tiles == m0 / kRows, so that
   // the lines are asked for while every tile computes, not only while the first one reads.
   const int64_t tiles = std::max<int64_t>(1, (q.rows + V::kRows - 1) / V::kRows), turn = m0 / V::kRows;
-  const bool ahead = n0 % kGroup == 0 && q.rows >= kPrefetchMinRows && q.rows <= kPrefetchRows &&
+  const bool ahead = n0 % kGroup == 0 && q.rows >= V::kPrefetchMinRows && q.rows <= kPrefetchRows &&
                      n0 / kGroup + kPrefetchGroups < groups(out.N);
   // two sums a block (weights 0..15 and 16..31) halve the chains of dependent dot products
   // where the registers hold them: two and three rows of x take a third less time (AVX-512)
@@ -445,7 +453,7 @@ inline void tile(const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t K, c
     typename V::F d[NV], mn[NV];
     for (int v = 0; v < NV; ++v) {
       d[v] = V::halves(scale[v] + b * cb);
-      mn[v] = FMT == kQ4_1 ? V::halves(scale[v] + b * cb + 64) : V::zerof();
+      mn[v] = FMT == kQ4_1 ? V::halves(scale[v] + b * cb + Layout::kDToM) : V::zerof();
     }
     for (int m = 0; m < MR; ++m) {
       const int64_t at = (m0 + m) * nb + b;
@@ -502,7 +510,7 @@ inline void tile(const uint8_t* w, const QuantizedX& q, int64_t m0, int64_t K, c
           int32_t s = S[m][n];
           if (FMT == kQ4_0) s -= 8 * q.sumq[at];
           acc[m][n] += static_cast<float>(s) * (half_at(d + 2 * n) * q.dx[at]);
-          if (FMT == kQ4_1) acc[m][n] += half_at(d + 64 + 2 * n) * q.sx[at];
+          if (FMT == kQ4_1) acc[m][n] += half_at(d + Layout::kDToM + 2 * n) * q.sx[at];
         }
       }
     }
@@ -588,7 +596,7 @@ TileBuffer<T> tile_buffer(int64_t count) {
   TORCH_CHECK(buf, "out of memory for ", bytes, " bytes of tiles");
   return buf;
 }
-constexpr int64_t kAmxRun = 4;  // panels unpacked together, each tile of rows times all four
+constexpr int64_t kAmxPanels = 4;  // panels unpacked together, each tile of rows times all four
 
 // From this many rows of x the AMX tiles run; below, the VNNI path (measured: see the header).
 constexpr int64_t amx_min_rows(int fmt) { return fmt == kQ8_0 ? 16 : 32; }
@@ -706,7 +714,7 @@ template <int FMT>
 inline void scale_block(const int32_t* c, const float* dx, const float* sx, const uint8_t* scales, int64_t cb,
                         int64_t b, __m512 (&acc)[kTileRows]) {
   const __m512 d = V::halves(scales + b * cb);
-  const __m512 mn = FMT == kQ4_1 ? V::halves(scales + b * cb + 64) : V::zerof();
+  const __m512 mn = FMT == kQ4_1 ? V::halves(scales + b * cb + Layout::kDToM) : V::zerof();
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const __m512i sums = V::load(reinterpret_cast<const uint8_t*>(c + r * kPanel));
@@ -735,7 +743,8 @@ void amx_tile(const BTiles& bt, const uint8_t* scales, int64_t cb, const Quantiz
     if (b + 2 < nb) pair_sums<FMT>(a, K, bt, b + 2, nb, c[1 - pair]);
     scale_block<FMT>(c[pair][0], dx + b * kTileRows, sx + b * kTileRows, scales, cb, b, acc);
     if (b + 1 < nb)
-      scale_block<FMT>(c[pair][1], dx + (b + 1) * kTileRows, sx + (b + 1) * kTileRows, scales, cb, b + 1, acc);
+      scale_block<FMT>(c[pair][1], dx + (b + 1) * kTileRows, sx + (b + 1) * kTileRows, scales, cb, b + 1,
+                       acc);
   }
   // stored whole first: acc stays in registers only if every index into it is a constant
   float vals[kTileRows][kPanel];
@@ -745,8 +754,8 @@ void amx_tile(const BTiles& bt, const uint8_t* scales, int64_t cb, const Quantiz
 }
 
 // Panels split over threads, each of which sets up its own tiles (their state is per thread).
-// A run of panels at a time: their Q4 blocks unpacked once for all the tiles of rows of x, and
-// each tile of rows times every panel of the run while its xq is in L1 (a fifth less time at
+// kAmxPanels panels at a time: their Q4 blocks unpacked once for all the tiles of rows of x, and
+// each tile of rows times every one of them while its xq is in L1 (a fifth less time at
 // 2048 rows, where xq outgrows L2).
 template <int FMT>
 void linear_amx(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M, int64_t K) {
@@ -754,14 +763,14 @@ void linear_amx(const QuantizedX& q, const uint8_t* w, const Out& out, int64_t M
   const int64_t nb = L.nb, np = panels(out.N);
   at::parallel_for(0, np, 1, [&](int64_t begin, int64_t end) {
     configure_tiles();
-    const TileBuffer<uint8_t> buf = tile_buffer<uint8_t>(FMT == kQ8_0 ? 0 : kAmxRun * nb * 512);
-    BTiles bt[kAmxRun];
-    for (int64_t p0 = begin; p0 < end; p0 += kAmxRun) {
-      const int64_t run = std::min(kAmxRun, end - p0);
-      for (int64_t g = 0; g < run; ++g)
+    const TileBuffer<uint8_t> buf = tile_buffer<uint8_t>(FMT == kQ8_0 ? 0 : kAmxPanels * nb * 512);
+    BTiles bt[kAmxPanels];
+    for (int64_t p0 = begin; p0 < end; p0 += kAmxPanels) {
+      const int64_t count = std::min(kAmxPanels, end - p0);
+      for (int64_t g = 0; g < count; ++g)
         bt[g] = b_tiles<FMT>(w + L.weights(p0 + g, 0), nb, L.cb, buf.get() + g * nb * 512);
       for (int64_t m0 = 0; m0 < M; m0 += kTileRows)
-        for (int64_t g = 0; g < run; ++g)
+        for (int64_t g = 0; g < count; ++g)
           amx_tile<FMT>(bt[g], w + L.d(p0 + g, 0), L.cb, q, m0, K, out, (p0 + g) * kPanel);
     }
     _tile_release();
@@ -865,8 +874,9 @@ struct PanelTiles {
       const int64_t b = done % L.nb, p = first + done / L.nb;
       const uint8_t* scales = w + L.d(p, b);
       const __m512 d = V::halves(scales);
-      const __m512 offset =
-          FMT == kQ4_1 ? V::halves(scales + 64) : FMT == kQ4_0 ? V::mul(d, V::set1f(-8.f)) : V::zerof();
+      const __m512 offset = FMT == kQ4_1   ? V::halves(scales + Layout::kDToM)
+                            : FMT == kQ4_0 ? V::mul(d, V::set1f(-8.f))
+                                           : V::zerof();
       dequantize_block<FMT>(w + L.weights(p, b), d, offset, order, tiles + done * kPairTile);
     }
   }
@@ -1020,7 +1030,7 @@ void bf16_product(const uint16_t* a, int64_t M, const uint8_t* w, int64_t K, con
   const Layout L(FMT, K);
   const int64_t nb = L.nb, np = panels(out.N);
   const bool tiles = amx_allowed();
-  at::parallel_for(0, (np + 1) / 2, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, groups(out.N), 1, [&](int64_t begin, int64_t end) {
     if (tiles) configure_bf16_tiles();
     const Bf16Buffer buffers[2] = {bf16_buffer(2 * nb * kPairTile), bf16_buffer(2 * nb * kPairTile)};
     auto count = [&](int64_t pair) { return std::min<int64_t>(2, np - 2 * pair); };
