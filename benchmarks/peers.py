@@ -131,10 +131,23 @@ def throughput_engine(loaded, num_seqs: int, flags: list[str]) -> LLMEngine:  # 
         "max_model_len": 1024, "max_num_seqs": num_seqs, "enable_prefix_caching": False, **options_of(flags)})
 
 
+def throughput_run(loaded, w, flags: list[str]) -> float:  # type: ignore[no-untyped-def]
+    """Output tok/s of one fresh throughput_engine (its flags) over workload w; the engine closed
+    and freed before this returns."""
+    from kvserve.bench.throughput import run_kvserve
+    engine = throughput_engine(loaded, len(w.prompts), flags)
+    got = run_kvserve(engine, w)["output_tokens_per_s"]
+    engine.close()
+    # its model and 1.5 GB KV cache freed now (the runner unbinds the fast path as it goes), and
+    # what else it left in reference cycles collected before the next engine runs
+    del engine
+    gc.collect()
+    return float(got)
+
+
 def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  # type: ignore[no-untyped-def]
     """The `kvserve bench throughput` workload (throughput_workload), kvserve's settings and
     vLLM-CPU interleaved, medians of output tok/s."""
-    from kvserve.bench.throughput import run_kvserve
     w = throughput_workload(loaded.config.vocab_size, num_prompts)
     reason = vllm_unavailable()
     path = HERE / ".peers" / "throughput-workload.json"
@@ -152,12 +165,7 @@ def throughput(loaded, threads: int, repeats: int, num_prompts: int) -> dict:  #
         # with free page reporting (docs/cache.md), so no setting takes that place in every repeat
         turn = r % len(order)
         for name, flags in order[turn:] + order[:turn]:
-            engine = throughput_engine(loaded, len(w.prompts), flags)
-            runs.setdefault(name, []).append(run_kvserve(engine, w)["output_tokens_per_s"])
-            # its model and 1.5 GB KV cache freed now (the runner unbinds the fast path as it goes),
-            # and what else it left in reference cycles collected before the next contender runs
-            del engine
-            gc.collect()
+            runs.setdefault(name, []).append(throughput_run(loaded, w, flags))
         if reason is None:
             try:
                 hf_directory(default_model_path())

@@ -13,7 +13,7 @@ memory the one before freed, so a setting that avoids first writes gains less he
 fresh process.
 
 SmolLM2-135M-Instruct Q4_1 (the default GGUF), peers.py's workload and engine options
-(`throughput_workload`, `throughput_engine`: 64 requests, prompts and outputs of 64-192 tokens,
+(`throughput_workload`, `throughput_run`: 64 requests, prompts and outputs of 64-192 tokens,
 EOS ignored, max_model_len 1024, no prefix caching):
 
     .venv/bin/python benchmarks/throughput_pairs.py --b --kv-cache-populate --pairs 8
@@ -29,7 +29,6 @@ benchmarks/results/throughput_pairs/<machine kind>.json with its machine, date a
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 from pathlib import Path
@@ -39,11 +38,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import options_of, throughput_engine, throughput_workload  # noqa: E402
+from peers import options_of, throughput_run, throughput_workload  # noqa: E402
 
 from kvserve.bench.history import append_run, now_utc  # noqa: E402
 from kvserve.bench.machine import Machine, load_average  # noqa: E402
-from kvserve.bench.throughput import run_kvserve  # noqa: E402
 from kvserve.models.registry import default_model_path, load_weights  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results" / "throughput_pairs"
@@ -106,20 +104,13 @@ def run_pairs(settings: dict[str, list[str]], pairs: int, warmup: int) -> dict[s
     loaded = load_weights(default_model_path())
     w = throughput_workload(loaded.config.vocab_size, 64)
 
-    def run(flags_of: list[str]) -> float:
-        engine = throughput_engine(loaded, len(w.prompts), flags_of)
-        got = run_kvserve(engine, w)["output_tokens_per_s"]
-        engine.close()
-        del engine
-        gc.collect()  # its reference cycles too, so that its model and KV cache go before the next
-        return float(got)
-
     for i in range(warmup):
-        print(f"warm-up {i}: A {run(settings['A']):.1f} output tok/s (discarded)", flush=True)
+        got = throughput_run(loaded, w, settings["A"])
+        print(f"warm-up {i}: A {got:.1f} output tok/s (discarded)", flush=True)
     runs: dict[str, list[float]] = {k: [] for k in settings}
     for i in range(pairs):
         for name in (["A", "B"] if i % 2 == 0 else ["B", "A"]):
-            runs[name].append(run(settings[name]))
+            runs[name].append(throughput_run(loaded, w, settings[name]))
         print(f"pair {i}: A {runs['A'][-1]:.1f}, B {runs['B'][-1]:.1f} output tok/s", flush=True)
     return runs
 
